@@ -1,0 +1,35 @@
+# The README's two commands: `make lab` (set up, then open JupyterLab on chapters/) and `make test`
+# (set up, then run every test and notebook). Everything installs into a project-local .venv.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.llmlab-installed
+PORT   ?= 8888
+
+.PHONY: setup lab test lint exercises doctor clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml tools/install-torch.sh
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	sh tools/install-torch.sh $(BIN)/python
+	$(BIN)/python -m pip install -e '.[dev]'
+	touch $(STAMP)
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab --notebook-dir=chapters --port=$(PORT)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check llmlab kernels tests
+
+exercises: $(STAMP)
+	$(BIN)/llmlab exercises build
+
+doctor: $(STAMP)
+	$(BIN)/llmlab doctor
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

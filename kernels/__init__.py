@@ -1,0 +1,1 @@
+"""Triton kernels of llmlab (packaged as `llmlab.kernels`)."""
