@@ -1,0 +1,89 @@
+"""The `llmlab` command.
+
+    llmlab doctor                      check this machine: tier, versions, FLOP/s, bandwidth, ranks, Triton
+    llmlab exercises build             write exercises/ from solutions/
+    llmlab exercises check             fail when exercises/ is stale
+    llmlab grade NOTEBOOK [--json]     execute a learner's notebook and report each exercise
+    llmlab bench NAME [--json PATH]    run a benchmark (see `llmlab bench --help`)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _doctor(args) -> int:
+    from llmlab.doctor import main
+
+    return main()
+
+
+def _exercises(args) -> int:
+    from llmlab.exercises import notebooks
+
+    root = Path(args.root)
+    if args.action == "build":
+        for path in notebooks.build(root):
+            print(f"wrote {path}")
+        return 0
+    problems = notebooks.check(root)
+    for p in problems:
+        print(p)
+    if problems:
+        print("exercises/ is out of date: run `llmlab exercises build`", file=sys.stderr)
+        return 1
+    print("exercises/ is up to date with solutions/")
+    return 0
+
+
+def _grade(args) -> int:
+    from llmlab.exercises import grade
+
+    report = grade.grade(Path(args.notebook), timeout=args.timeout)
+    print(report.to_json() if args.json else report.table())
+    return 0 if report.all_passed else 1
+
+
+def _bench(args) -> int:
+    from llmlab.bench import run
+
+    return run(args.name, json_path=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmlab", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("doctor", help="check that this machine runs every chapter").set_defaults(func=_doctor)
+
+    ex = sub.add_parser("exercises", help="generate or check exercises/ from solutions/")
+    ex.add_argument("action", choices=["build", "check"])
+    ex.add_argument("--root", default=".", help="project root holding solutions/ and exercises/")
+    ex.set_defaults(func=_exercises)
+
+    gr = sub.add_parser("grade", help="execute a learner's notebook and report each exercise")
+    gr.add_argument("notebook")
+    gr.add_argument("--json", action="store_true", help="machine-readable report")
+    gr.add_argument("--timeout", type=float, default=600, help="seconds for the whole notebook")
+    gr.set_defaults(func=_grade)
+
+    be = sub.add_parser("bench", help="benchmark an implementation against its peer")
+    be.add_argument("name")
+    be.add_argument("--json", default=None, help="also write the JSON record to this path")
+    be.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"llmlab {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
