@@ -1,0 +1,98 @@
+"""The Triton GEMM under the interpreter: any shape, strides, dtypes, fused epilogue, and bad input."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from llmlab.kernels import gemm
+
+# Error bound of C = A @ B computed with an fp32 accumulator and rounded once to the output dtype, against
+# the float64 product of the same (already rounded) inputs:
+#   |C - C64| <= u_out * |C64| + K * u_fp32 * (|A| @ |B|)
+# u_out is the unit roundoff of the output dtype (half an ulp: 2^-24 fp32, 2^-11 fp16, 2^-8 bf16); K * u_fp32
+# bounds the fp32 summation error (the classic gamma_K). A factor 2 leaves room for the epilogue's rounding.
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def assert_gemm_close(c, a, b, bias=None, activation=None):
+    ref = gemm.reference(a.double(), b.double(), None if bias is None else bias.double(), activation)
+    k = a.shape[1]
+    abs_prod = a.double().abs() @ b.double().abs() + (0 if bias is None else bias.double().abs())
+    bound = 2 * (UNIT_ROUNDOFF[c.dtype] * ref.abs() + k * 2.0**-24 * abs_prod) + 1e-30
+    err = (c.double() - ref).abs()
+    assert not torch.isnan(c).any(), "some element of C was never written (still NaN)"
+    worst = (err / bound).max().item() if err.numel() else 0.0
+    assert worst <= 1.0, f"error {err.max().item():.3g} exceeds the bound by {worst:.2f}x"
+
+
+def poisoned(m, n, dtype):
+    return torch.full((m, n), float("nan"), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", gemm.DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (2, 3, 5), (31, 37, 41), (64, 64, 64), (97, 13, 130), (7, 200, 3)])
+def test_matches_float64_reference(m, n, k, dtype):
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    assert_gemm_close(gemm.matmul(a, b, out=poisoned(m, n, dtype)), a, b)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 90), n=st.integers(1, 90), k=st.integers(1, 90), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from(gemm.DTYPES))
+def test_any_shape(m, n, k, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    a, b = torch.randn(m, k, generator=g).to(dtype), torch.randn(k, n, generator=g).to(dtype)
+    assert_gemm_close(gemm.matmul(a, b, out=poisoned(m, n, dtype)), a, b)
+
+
+@pytest.mark.parametrize("dtype", gemm.DTYPES, ids=str)
+def test_transposed_and_strided_inputs(dtype):
+    a = torch.randn(45, 70).to(dtype).t()  # (70, 45), column-major
+    b = torch.randn(45, 60).to(dtype)[:, ::2]  # (45, 30), stride 2 along columns
+    assert not a.is_contiguous() and not b.is_contiguous()
+    assert_gemm_close(gemm.matmul(a, b), a, b)
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+@pytest.mark.parametrize("dtype", gemm.DTYPES, ids=str)
+def test_fused_bias_and_activation(activation, dtype):
+    a, b, bias = torch.randn(33, 47).to(dtype), torch.randn(47, 29).to(dtype), torch.randn(29).to(dtype)
+    c = gemm.matmul(a, b, bias=bias, activation=activation, out=poisoned(33, 29, dtype))
+    # relu and gelu are 1-Lipschitz (gelu's slope is at most ~1.13), so the matmul bound carries through
+    # up to that slope; the 2x in the bound covers it.
+    assert_gemm_close(c, a, b, bias, activation)
+
+
+def test_empty_dimensions():
+    assert gemm.matmul(torch.randn(0, 4), torch.randn(4, 3)).shape == (0, 3)
+    c = gemm.matmul(torch.randn(5, 0), torch.randn(0, 3), bias=torch.ones(3))
+    assert torch.equal(c, torch.ones(5, 3))  # an empty sum is 0, plus the bias
+
+
+@pytest.mark.parametrize("a,b,kwargs,match", [
+    (torch.randn(3, 4), torch.randn(5, 2), {}, r"inner dimensions differ.*a.shape\[1\]=4 != b.shape\[0\]=5"),
+    (torch.randn(4), torch.randn(4, 2), {}, "a must be 2-D"),
+    (torch.randn(3, 4), torch.randn(2, 4, 2), {}, "b must be 2-D"),
+    (torch.randn(3, 4), torch.randn(4, 2).half(), {}, "a.dtype=torch.float32 and b.dtype=torch.float16 differ"),
+    (torch.randn(3, 4).double(), torch.randn(4, 2).double(), {}, "a.dtype=torch.float64 not supported"),
+    (torch.randn(3, 4), torch.randn(4, 2), {"bias": torch.randn(3)}, r"bias must be a tensor of shape \(2,\)"),
+    (torch.randn(3, 4), torch.randn(4, 2), {"activation": "swish"}, "activation='swish'"),
+    ([[1.0]], torch.randn(1, 1), {}, "a must be a torch.Tensor"),
+])
+def test_bad_input(a, b, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gemm.matmul(a, b, **kwargs)
+
+
+def test_tensors_on_different_devices():
+    a = torch.randn(3, 4)
+    b = torch.randn(4, 2, device="meta")
+    with pytest.raises(ValueError, match="a is on cpu and b on meta"):
+        gemm.matmul(a, b)
+
+
+def test_bench_reports_both_implementations():
+    (row,) = gemm.bench(sizes=[16], dtypes=[torch.float32], reps=1)
+    assert row["size"] == 16 and row["triton_tflops"] > 0 and row["torch_tflops"] > 0
+    assert row["ratio"] == pytest.approx(row["triton_tflops"] / row["torch_tflops"])
