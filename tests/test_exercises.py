@@ -1,0 +1,440 @@
+"""The exercise round trip: solutions/ -> exercises/ (build, check), the checker base, and the grader.
+
+The fixture project (tests/fixtures/exercises_project) is a real, small one: two solution notebooks
+(softmax and log-sum-exp; cross-entropy) whose checks in fixture_checks.py compare against torch. Tests
+work on a copy of it in a temporary directory. Grading starts a Jupyter kernel (a few seconds each, torch
+import included), so only the notebooks that prove something are graded: each solution (passes), each
+generated exercise (not attempted), one wrong learner notebook (through the CLI) and one that times out.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from llmlab.exercises import grade, notebooks
+from llmlab.exercises.checks import ExerciseFailed, Mismatch, Result, assert_close, check, not_attempted
+
+FIXTURE = Path(__file__).parent / "fixtures" / "exercises_project"
+SOLUTIONS = {"01_softmax.ipynb": ["1.1", "1.2"], "02_cross_entropy.ipynb": ["2.1"]}
+LLMLAB = Path(sys.executable).with_name("llmlab")  # the console script installed next to this interpreter
+
+
+def copy_fixture(destination: Path) -> Path:
+    shutil.copytree(FIXTURE, destination, ignore=shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints"))
+    return destination
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A fresh copy of the fixture project (solutions/ only)."""
+    return copy_fixture(tmp_path / "project")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    """One copy of the fixture project with exercises/ built, shared by the grading tests (read only)."""
+    root = copy_fixture(tmp_path_factory.mktemp("built") / "project")
+    notebooks.build(root)
+    return root
+
+
+def write_notebook(path: Path, cells) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(new_notebook(cells=cells), path)
+    return path
+
+
+def edit_cell(path: Path, old: str, new: str) -> None:
+    """Replace `old` by `new` in the one cell of the notebook at `path` holding it, as an editor would."""
+    nb = nbformat.read(path, as_version=4)
+    (cell,) = [cell for cell in nb.cells if old in cell.source]
+    cell.source = cell.source.replace(old, new)
+    nbformat.write(nb, path)
+
+
+def llmlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(LLMLAB), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+# --- build -------------------------------------------------------------------------------------------------
+
+
+def test_build_is_deterministic(project, tmp_path):
+    paths = notebooks.build(project)
+    assert [p.relative_to(project).as_posix() for p in paths] == [f"exercises/{n}" for n in SOLUTIONS]
+    first = [p.read_bytes() for p in paths]
+    notebooks.build(project)
+    assert [p.read_bytes() for p in paths] == first
+    elsewhere = copy_fixture(tmp_path / "elsewhere")  # the root's location is not part of the output
+    assert [p.read_bytes() for p in notebooks.build(elsewhere)] == first
+
+
+def test_build_replaces_each_solution_region_and_strips_outputs(project):
+    notebooks.build(project)
+    text = (project / "exercises" / "01_softmax.ipynb").read_text(encoding="utf-8")
+    assert text.endswith("}\n")
+    nb = nbformat.reads(text, as_version=4)
+    header = nb.cells[0]
+    assert header.cell_type == "markdown"
+    assert "Generated from `solutions/01_softmax.ipynb`" in header.source and "do not edit" in header.source
+    assert "`llmlab exercises build`" in header.source
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert all(cell.outputs == [] and cell.execution_count is None for cell in code)
+    assert code[1].source == (
+        "def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:\n"
+        '    """Softmax of `x` along `dim`, correct for logits of any size."""\n'
+        '    raise NotImplementedError("Exercise 1.1: Softmax")'
+    )
+    assert 'raise NotImplementedError("Exercise 1.2: Numerically stable log-sum-exp")' in code[3].source
+    assert "SOLUTION" not in text and "amax" not in text  # no marker, no line of any answer
+    two = nbformat.read(project / "exercises" / "02_cross_entropy.ipynb", as_version=4)
+    assert two.cells[4].source.count('raise NotImplementedError("Exercise 2.1: Cross-entropy")') == 2
+
+
+def test_build_keeps_the_indentation_of_the_begin_line(project):
+    for old in (project / "solutions").iterdir():
+        old.unlink()
+    method = "class Ring:\n    def reduce_scatter(self, x):\n        ### BEGIN SOLUTION\n        return x\n"
+    method += "        ### END SOLUTION\n"
+    solution = new_code_cell(method, execution_count=3)
+    solution.outputs = [nbformat.v4.new_output("stream", text="leftover output\n")]
+    write_notebook(
+        project / "solutions" / "04_ring.ipynb", [new_markdown_cell("## Exercise 4.1 — Ring"), solution]
+    )
+    (path,) = notebooks.build(project)
+    cell = nbformat.read(path, as_version=4).cells[2]
+    assert cell.source == "class Ring:\n    def reduce_scatter(self, x):\n" + (
+        '        raise NotImplementedError("Exercise 4.1: Ring")\n'
+    )
+    assert cell.outputs == [] and cell.execution_count is None
+
+
+# --- check -------------------------------------------------------------------------------------------------
+
+
+def test_check_passes_right_after_build(project):
+    notebooks.build(project)
+    assert notebooks.check(project) == []
+
+
+def test_check_reports_a_missing_exercise(project):
+    notebooks.build(project)
+    (project / "exercises" / "02_cross_entropy.ipynb").unlink()
+    (problem,) = notebooks.check(project)
+    assert "exercises/02_cross_entropy.ipynb: missing" in problem
+
+
+def test_check_reports_an_exercise_stale_after_its_solution_changed(project):
+    notebooks.build(project)
+    edit_cell(project / "solutions" / "01_softmax.ipynb", "correct for logits of any size", "for any logits")
+    (problem,) = notebooks.check(project)
+    assert "exercises/01_softmax.ipynb: stale: solutions/01_softmax.ipynb changed" in problem
+
+
+def test_check_ignores_a_change_inside_a_solution_region(project):
+    notebooks.build(project)
+    edit_cell(project / "solutions" / "01_softmax.ipynb", "e = shifted.exp()", "e = torch.exp(shifted)")
+    assert notebooks.check(project) == []  # the answer is not in the exercise, so it is not stale
+
+
+def test_check_reports_a_hand_edited_exercise(project):
+    notebooks.build(project)
+    edit_cell(
+        project / "exercises" / "01_softmax.ipynb", "check.softmax(softmax)", "check.softmax(softmax)  # mine"
+    )
+    (problem,) = notebooks.check(project)
+    assert "exercises/01_softmax.ipynb: hand-edited" in problem and "solutions/01_softmax.ipynb" in problem
+
+
+def test_check_reports_an_exercise_without_a_solution(project):
+    notebooks.build(project)
+    (project / "solutions" / "02_cross_entropy.ipynb").unlink()
+    (problem,) = notebooks.check(project)
+    assert "exercises/02_cross_entropy.ipynb: no solution" in problem
+
+
+# --- bad input ---------------------------------------------------------------------------------------------
+
+HEADING = ("md", "### Exercise 1.1: Softmax")
+BAD_SOLUTIONS = {  # cells as (kind, source), and the error's text after the file name
+    "unclosed BEGIN": (
+        [HEADING, ("code", "def f():\n    ### BEGIN SOLUTION\n    return 1")],
+        r', cell 2 \("def f\(\):"\), line 2: ### BEGIN SOLUTION is never closed',
+    ),
+    "END without BEGIN": (
+        [HEADING, ("code", "def f():\n    return 1\n    ### END SOLUTION")],
+        r", cell 2 .*, line 3: ### END SOLUTION without a ### BEGIN SOLUTION",
+    ),
+    "nested BEGIN": (
+        [HEADING, ("code", "def f():\n    ### BEGIN SOLUTION\n    ### BEGIN SOLUTION\n    ### END SOLUTION")],
+        r", cell 2 .*, line 3: nested ### BEGIN SOLUTION \(a region is already open since line 2\)",
+    ),
+    "region outside any exercise": (
+        [("md", "## Setup"), ("code", "def f():\n    ### BEGIN SOLUTION\n    ### END SOLUTION")],
+        r", cell 2 .*, line 2: solution region outside any exercise",
+    ),
+    "region at the top level": (
+        [HEADING, ("code", "### BEGIN SOLUTION\nx = 1\n### END SOLUTION")],
+        r", cell 2 .*, line 1: solution region at the top level",
+    ),
+    "malformed marker": (
+        [HEADING, ("code", "def f():\n    ### BEGIN SOLUTION\n    return 1\n    ## END SOLUTION")],
+        r", cell 2 .*, line 4: '## END SOLUTION' looks like a solution marker",
+    ),
+    "marker in a markdown cell": (
+        [HEADING, ("md", "The answer:\n### BEGIN SOLUTION\nIt overflows.\n### END SOLUTION")],
+        r", cell 2 .*: a solution marker in a markdown cell",
+    ),
+    "exercise without a region": (
+        [HEADING, ("code", "def f():\n    return 1")],
+        r", cell 1 .*: Exercise 1.1: Softmax has no ### BEGIN SOLUTION region",
+    ),
+    "duplicate exercise id": (
+        [HEADING, ("code", "def f():\n    ### BEGIN SOLUTION\n    ### END SOLUTION"), HEADING],
+        r", cell 3 .*: Exercise 1.1 is already the heading of cell 1",
+    ),
+    "no exercise at all": ([("code", "x = 1")], r": no exercise"),
+}
+
+
+@pytest.mark.parametrize("cells, message", BAD_SOLUTIONS.values(), ids=BAD_SOLUTIONS.keys())
+def test_build_and_check_refuse_a_bad_solution_naming_file_and_cell(project, cells, message):
+    new_cell = {"md": new_markdown_cell, "code": new_code_cell}
+    write_notebook(project / "solutions" / "01_bad.ipynb", [new_cell[kind](source) for kind, source in cells])
+    for command in (notebooks.build, notebooks.check):
+        with pytest.raises(notebooks.NotebookError, match=r"solutions/01_bad\.ipynb" + message):
+            command(project)
+    assert not (project / "exercises").exists()  # nothing is written when any solution is bad
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"cells": [', r"not a notebook: invalid JSON at line 1, column 12"),
+        ('{"hello": "world"}', r"not a notebook: the JSON has no 'cells' list"),
+        (
+            '{"cells": [{"cell_type": "cod"}], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}',
+            "not a valid",
+        ),
+    ],
+    ids=["invalid JSON", "JSON but not a notebook", "invalid notebook"],
+)
+def test_a_file_that_is_not_a_notebook_is_refused_by_build_and_grade(project, text, message):
+    path = project / "solutions" / "01_bad.ipynb"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=r"solutions/01_bad\.ipynb: " + message):
+        notebooks.build(project)
+    with pytest.raises(ValueError, match=r"01_bad\.ipynb: " + message):
+        grade.grade(path, timeout=30)
+
+
+def test_a_missing_solutions_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"solutions: no solutions/ directory"):
+        notebooks.build(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"nothing\.ipynb: no such notebook"):
+        grade.grade(tmp_path / "nothing.ipynb", timeout=30)
+
+
+# --- the checker base --------------------------------------------------------------------------------------
+
+
+@check("9.1", "double", hint="multiply by two")
+def double_check(fn):
+    x = torch.arange(6.0).reshape(2, 3)
+    assert_close(fn(x), 2 * x, what="double(x)")
+
+
+class RankError(RuntimeError):
+    """Stands in for llmlab.dist.RankError: recognised by its name and exc_type, as the checker does."""
+
+    def __init__(self, exc_type):
+        super().__init__(f"rank 1 raised {exc_type}")
+        self.rank, self.exception, self.exc_type, self.remote_traceback = 1, None, exc_type, "Traceback ..."
+
+
+def raises(error):
+    def fn(x):
+        raise error
+
+    return fn
+
+
+def test_a_right_answer_prints_passed(capsys):
+    double_check(lambda x: x + x)
+    assert capsys.readouterr().out == "✅ Exercise 9.1 (double): passed\n"
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [raises(NotImplementedError("Exercise 9.1: Double")), raises(RankError("NotImplementedError"))],
+    ids=["NotImplementedError", "RankError from another rank"],
+)
+def test_an_unwritten_answer_prints_not_attempted_and_does_not_raise(capsys, fn):
+    double_check(fn)
+    assert capsys.readouterr().out == "⏳ Exercise 9.1 (double): not attempted yet\n"
+
+
+def test_a_wrong_answer_prints_one_line_and_raises_it(capsys):
+    with pytest.raises(ExerciseFailed) as failure:
+        double_check(lambda x: 3 * x)
+    line = capsys.readouterr().out
+    assert line.count("\n") == 1 and str(failure.value) == line.rstrip("\n")
+    assert line.startswith("❌ Exercise 9.1 (double): failed — double(x): 5 of 6 values differ")
+    assert "first at index (0, 1): got 3, expected 2" in line and "max abs diff 5" in line
+    assert line.endswith(". Hint: multiply by two.\n")
+    assert isinstance(failure.value, AssertionError)
+
+
+@pytest.mark.parametrize(
+    "error, detail",
+    [
+        (TypeError("bad operand"), "TypeError: bad operand"),
+        (RankError("ValueError"), "RankError: rank 1 raised"),
+    ],
+)
+def test_an_answer_that_raises_fails_with_the_error_chained(capsys, error, detail):
+    with pytest.raises(ExerciseFailed, match=f"failed — your code raised {detail}") as failure:
+        double_check(raises(error))
+    assert failure.value.__cause__ is error
+    assert capsys.readouterr().out.startswith("❌ Exercise 9.1 (double): failed")
+
+
+def test_not_attempted_recognises_only_not_implemented():
+    assert not_attempted(NotImplementedError()) and not_attempted(RankError("NotImplementedError"))
+    assert not not_attempted(RankError("ValueError")) and not not_attempted(
+        RuntimeError("NotImplementedError")
+    )
+
+
+def test_result_record_is_what_the_grader_reads():
+    result = Result("9.1", "double", "failed", "double(x) differs", hint="multiply by two")
+    assert result.record() == {
+        "exercise": "9.1",
+        "title": "double",
+        "status": "failed",
+        "detail": "double(x) differs",
+    }
+    assert result.line == "❌ Exercise 9.1 (double): failed — double(x) differs. Hint: multiply by two."
+
+
+def test_check_refuses_an_id_that_is_not_n_dot_m():
+    with pytest.raises(ValueError, match="exercise='4' is not an exercise id"):
+        check("4", "ring")
+
+
+@pytest.mark.parametrize(
+    "actual, expected, message",
+    [
+        (torch.zeros(3), torch.zeros(2, 3), r"^x: got shape \(3,\), expected \(2, 3\)$"),
+        (
+            torch.zeros(3, dtype=torch.float64),
+            torch.zeros(3),
+            r"^x: got dtype torch.float64, expected torch.float32$",
+        ),
+        (None, torch.zeros(3), r"^x: got NoneType, expected a tensor of shape \(3,\)$"),
+        (
+            torch.tensor([1.0, float("nan")]),
+            torch.tensor([1.0, 0.5]),
+            r"\(1,\): got nan, expected 0.5; 1 of them nan",
+        ),
+        (torch.tensor(2.0), torch.tensor(2.5), r"1 of 1 values differ .*index \(\): got 2, expected 2.5"),
+    ],
+    ids=["shape", "dtype", "not a tensor", "nan", "scalar"],
+)
+def test_assert_close_says_what_differs(actual, expected, message):
+    with pytest.raises(Mismatch, match=message):
+        assert_close(actual, expected, what="x")
+
+
+def test_assert_close_accepts_rounding_and_exact_comparison():
+    x = torch.randn(100)
+    assert_close(x.exp().log(), x, what="log(exp(x))", rtol=1e-5, atol=1e-6)  # a few float32 roundings
+    assert_close([1, 2], torch.tensor([1, 2]), what="exact", rtol=0, atol=0)
+    with pytest.raises(Mismatch, match=r"exact: 1 of 2 values differ \(rtol=0, atol=0\)"):
+        assert_close(torch.tensor([1, 3]), torch.tensor([1, 2]), what="exact", rtol=0, atol=0)
+
+
+# --- grading (each starts a Jupyter kernel) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SOLUTIONS)
+def test_every_solution_passes_every_check(built, name):
+    report = grade.grade(built / "solutions" / name, timeout=120)
+    assert [(row.exercise, row.status) for row in report.rows] == [(e, "passed") for e in SOLUTIONS[name]]
+    assert report.all_passed and report.stop is None
+    print(f"{name}: graded in {report.seconds:.1f} s")
+
+
+@pytest.mark.parametrize("name", SOLUTIONS)
+def test_every_generated_exercise_is_not_attempted(built, name):
+    report = grade.grade(built / "exercises" / name, timeout=120)
+    assert [(row.exercise, row.status) for row in report.rows] == [
+        (e, "not attempted") for e in SOLUTIONS[name]
+    ]
+    assert not report.all_passed and report.stop is None
+    assert f"⏳ {SOLUTIONS[name][0]}  " in report.table()
+    print(f"exercises/{name}: graded in {report.seconds:.1f} s")
+
+
+def test_cli_grade_json_reports_a_wrong_answer_and_a_broken_cell(built, tmp_path):
+    shutil.copy(FIXTURE / "fixture_checks.py", tmp_path)  # the notebook imports it from its parent folder
+    learner = tmp_path / "learner" / "01_softmax.ipynb"
+    learner.parent.mkdir()
+    shutil.copy(built / "exercises" / "01_softmax.ipynb", learner)
+    naive = "return x.exp() / x.exp().sum(dim=dim, keepdim=True)  # overflows for large x"
+    edit_cell(learner, 'raise NotImplementedError("Exercise 1.1: Softmax")', naive)
+    edit_cell(learner, "check.logsumexp(logsumexp)", "check.logsumexp(log_sum_exp)")
+    result = llmlab("grade", str(learner), "--json", "--timeout", "120", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    report = json.loads(result.stdout)
+    (softmax, lse) = report["exercises"]
+    assert softmax["status"] == "failed" and lse["status"] == "error"
+    assert softmax["detail"].startswith("softmax([1000, 1000, -1000]): 2 of 3 values differ")
+    assert "got nan, expected 0.5; 2 of them nan or inf" in softmax["detail"]
+    assert lse["detail"] == "NameError: name 'log_sum_exp' is not defined (cell 9)"
+    assert report["all_passed"] is False and report["passed"] == 0 and report["total"] == 2
+
+
+def test_grading_stops_at_the_timeout_and_reports_it(tmp_path, monkeypatch):
+    broken = tmp_path / "jupyter" / "kernels" / "python3"  # a python3 kernelspec from "another environment"
+    broken.mkdir(parents=True)
+    (broken / "kernel.json").write_text(
+        json.dumps({"argv": ["/bin/false"], "display_name": "x", "language": "python"})
+    )
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))  # the grader must use its own Python anyway
+    path = write_notebook(
+        tmp_path / "slow.ipynb",
+        [new_markdown_cell("### Exercise 9.1: Sleep"), new_code_cell("import time\ntime.sleep(120)")],
+    )
+    report = grade.grade(path, timeout=5)
+    assert report.timed_out and report.seconds < 30
+    (row,) = report.rows
+    assert row.status == "error" and row.detail.startswith(
+        "not run: TimeoutError: the notebook did not finish"
+    )
+    assert "Stopped early: TimeoutError" in report.table()
+    assert json.loads(report.to_json())["timed_out"] is True
+
+
+# --- the CLI -----------------------------------------------------------------------------------------------
+
+
+def test_cli_exercises_build_and_check(project):
+    built = llmlab("exercises", "build", "--root", str(project), cwd=project)
+    assert built.returncode == 0 and built.stdout.count("wrote ") == 2, built.stderr
+    fresh = llmlab("exercises", "check", "--root", str(project), cwd=project)
+    assert fresh.returncode == 0 and "up to date" in fresh.stdout
+    edit_cell(project / "solutions" / "02_cross_entropy.ipynb", "# 2 · Cross-entropy", "# 2 · Cross entropy")
+    stale = llmlab("exercises", "check", "--root", ".", cwd=project)
+    assert stale.returncode == 1 and "exercises/02_cross_entropy.ipynb: stale" in stale.stdout
+    assert "run `llmlab exercises build`" in stale.stderr
+    write_notebook(project / "solutions" / "03_bad.ipynb", [new_code_cell("x = 1")])
+    bad = llmlab("exercises", "build", "--root", ".", cwd=project)
+    assert bad.returncode == 2 and "solutions/03_bad.ipynb: no exercise" in bad.stderr
