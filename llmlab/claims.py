@@ -1,12 +1,12 @@
 """The course material's numeric claims, each measured or computed here, with a verdict.
 
 The material says things like "mixed precision gives 3× speed" or "GPT-3 needs 3.14×10²³ FLOPs". Some hold,
-some hold only under conditions, some are wrong. `docs/CLAIMS.md` lists them (C1…C21) with the published
+some hold only under conditions, some are wrong. `llmlab/CLAIMS.md` lists them (C1…C21) with the published
 facts to compare with. The library module that implements a claim's topic registers a function measuring it:
 
     from llmlab import claims, flops
 
-    @claims.register("C1", chapter=1)          # says= and reference= default to docs/CLAIMS.md's text
+    @claims.register("C1", chapter=1)          # says= and reference= default to llmlab/CLAIMS.md's text
     def gpt3_training_flops() -> claims.Measurement:
         total = flops.training_flops(175e9, 300e9)
         return claims.Measurement(
@@ -45,14 +45,14 @@ VERDICTS = ("holds", "holds with conditions", "wrong", "misleading")
 # The library modules that register claims; a chapter's module adds its name here (e.g. "llmlab.flops").
 CLAIM_MODULES: tuple[str, ...] = ()
 
-REFERENCE_PATH = Path(__file__).resolve().parent.parent / "docs" / "CLAIMS.md"
+REFERENCE_PATH = Path(__file__).resolve().parent / "CLAIMS.md"
 
 
-# --- the reference: docs/CLAIMS.md -------------------------------------------------------------------------
+# --- the reference: llmlab/CLAIMS.md -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class ReferenceRow:
-    """One row of the table in docs/CLAIMS.md."""
+    """One row of the table in llmlab/CLAIMS.md."""
 
     id: str  # "C1"
     section: str  # the material's section, "1" or "2.3"
@@ -67,11 +67,11 @@ class ReferenceRow:
 
 
 def load_reference(path: str | os.PathLike | None = None) -> list[ReferenceRow]:
-    """The claims table of `path` (default: the repo's docs/CLAIMS.md), one ReferenceRow per claim."""
+    """The claims table of `path` (default: the repo's llmlab/CLAIMS.md), one ReferenceRow per claim."""
     path = Path(path) if path is not None else REFERENCE_PATH
     if not path.is_file():
         raise FileNotFoundError(f"path={str(path)!r}: no claims file there (llmlab.claims reads the repo's "
-                                "docs/CLAIMS.md; is this a clone of the repository?)")
+                                "llmlab/CLAIMS.md; is this a clone of the repository?)")
     rows = []
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not re.match(r"\|\s*C\d+\s*\|", line):
@@ -188,7 +188,7 @@ class ClaimsTable:
 # --- the registry ------------------------------------------------------------------------------------------
 
 class Registry:
-    """Claims by id, checked against the reference table (docs/CLAIMS.md unless `reference` is given)."""
+    """Claims by id, checked against the reference table (llmlab/CLAIMS.md unless `reference` is given)."""
 
     def __init__(self, reference: list[ReferenceRow] | None = None):
         self._reference = {r.id: r for r in reference} if reference is not None else None
@@ -209,10 +209,10 @@ class Registry:
         """
         row = self.reference.get(claim_id)
         if row is None:
-            raise ValueError(f"claim_id={claim_id!r} is not in docs/CLAIMS.md "
+            raise ValueError(f"claim_id={claim_id!r} is not in llmlab/CLAIMS.md "
                              f"(known: {', '.join(sorted(self.reference, key=_claim_number))})")
         if chapter != row.chapter:
-            raise ValueError(f"chapter={chapter!r}, but docs/CLAIMS.md puts {claim_id} in §{row.section}, "
+            raise ValueError(f"chapter={chapter!r}, but llmlab/CLAIMS.md puts {claim_id} in §{row.section}, "
                              f"which is chapter {row.chapter}")
 
         def decorator(fn):

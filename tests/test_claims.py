@@ -32,8 +32,8 @@ def test_reference_table_parses():
 
 @pytest.mark.skipif(not SHARED_CLAIMS.exists(), reason="no ../shared/CLAIMS.md next to this clone")
 def test_docs_copy_equals_shared():
-    assert (ROOT / "docs" / "CLAIMS.md").read_bytes() == SHARED_CLAIMS.read_bytes(), \
-        "docs/CLAIMS.md differs from ../shared/CLAIMS.md: copy it over"
+    assert (ROOT / "llmlab" / "CLAIMS.md").read_bytes() == SHARED_CLAIMS.read_bytes(), \
+        "llmlab/CLAIMS.md differs from ../shared/CLAIMS.md: copy it over"
 
 
 def test_bad_reference_files(tmp_path):
@@ -65,7 +65,7 @@ def test_register_measure_and_render():
 
     assert c1().verdict == "holds"  # the decorator returns the function itself
     assert reg.ids() == ["C1", "C3"] and reg.ids(chapter=2) == []
-    assert reg.get("C1").says == claims.load_reference()[0].says  # default text from docs/CLAIMS.md
+    assert reg.get("C1").says == claims.load_reference()[0].says  # default text from llmlab/CLAIMS.md
     table = reg.table(1)
     assert [r.verdict for r in table.rows] == ["holds", "misleading"]
     assert table.rows[0].measurement.unit == "s"
@@ -105,9 +105,9 @@ def test_duplicate_unknown_and_mismatched_ids_refused():
         @reg.register("C5", chapter=2)
         def another():
             return None
-    with pytest.raises(ValueError, match=r"claim_id='C99' is not in docs/CLAIMS.md \(known: C1, C2, .*C21\)"):
+    with pytest.raises(ValueError, match=r"claim_id='C99' is not in llmlab/CLAIMS.md \(known: C1, C2, .*C21\)"):
         reg.register("C99", chapter=1)
-    with pytest.raises(ValueError, match=r"chapter=3, but docs/CLAIMS.md puts C5 in §2.1, which is chapter"):
+    with pytest.raises(ValueError, match=r"chapter=3, but llmlab/CLAIMS.md puts C5 in §2.1, which is chapter"):
         reg.register("C5", chapter=3)
     with pytest.raises(ValueError, match="must take no arguments"):
         reg.register("C6", chapter=2)(lambda x: x)
@@ -197,7 +197,7 @@ CHAPTERS = sorted(claims.chapter_notebooks(ROOT / "chapters"))
 
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda n: f"chapter{n:02d}")
 def test_every_claim_of_each_chapter_is_registered_and_computed(chapter):
-    """For each chapters/NN_*.ipynb: every claim docs/CLAIMS.md puts in chapter NN is registered (by the
+    """For each chapters/NN_*.ipynb: every claim llmlab/CLAIMS.md puts in chapter NN is registered (by the
     modules in claims.CLAIM_MODULES) and its function computes it with llmlab code. With no chapter yet,
     this is an empty set (reported as one skipped test)."""
     problems = claims.chapter_problems(chapter)

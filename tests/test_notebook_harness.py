@@ -1,7 +1,7 @@
 """The notebook harness works: pytest executes notebooks with nbval, a raising cell fails its notebook, the
 wall-time section lists every notebook against its budget, and `gpu` tests skip on the CPU tier.
 
-Runs pytest in a subprocess on a scratch project holding a copy of tests/conftest.py, so what is checked is
+Runs pytest in a subprocess on a scratch project holding a copy of the root conftest.py, so what is checked is
 the very configuration `pytest` from the repo root uses (plus pyproject's options, passed explicitly).
 """
 
@@ -17,7 +17,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 from llmlab import runtime
 
-CONFTEST = Path(__file__).with_name("conftest.py")
+CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 
 
 def _notebook(path: Path, *sources: str) -> None:

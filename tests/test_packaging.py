@@ -25,5 +25,6 @@ def test_wheel_contains_llmlab_kernels(tmp_path):
     expected |= {str(p.relative_to(ROOT)) for p in (ROOT / "llmlab").rglob("*.py")}
     assert expected <= names, sorted(expected - names)
     assert not any(n.startswith("kernels/") for n in names), "kernels/ must not be a top-level package"
+    assert "llmlab/CLAIMS.md" in names, "the claims registry reads llmlab/CLAIMS.md at run time"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "llmlab = llmlab.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

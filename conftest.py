@@ -1,5 +1,7 @@
 """What every test run shares: notebook wall times against their budgets, and the `gpu` marker.
 
+This file sits at the project root so that `pytest chapters/01_compute.ipynb` loads it too.
+
 Notebooks (chapters/, exercises/, solutions/, and tests/notebooks/) are executed by nbval, one pytest item
 per cell. The terminal summary gets a section "notebook wall times" listing each notebook with its total
 seconds (kernel start, every cell, shutdown) and its budget on a 2-core CPU (DESIGN §6): a chapter 60 s, an
@@ -41,8 +43,7 @@ def wall_time_lines(times: dict[str, float], cells: dict[str, int], failed: dict
 class NotebookTimes:
     """Adds up each notebook's setup/call/teardown durations, report by report, and prints them at the end.
 
-    A plugin object rather than conftest hooks, because pytest calls a conftest's per-item hooks only for
-    items under the conftest's own folder, and chapters/ is not under tests/.
+    A plugin object rather than conftest hooks, so that the hooks see every item, wherever it was collected.
     """
 
     def __init__(self):
