@@ -14,11 +14,8 @@ Every llmlab kernel file has these parts, in this order:
     from llmlab.kernels import vector_add
     out = vector_add.add(x, y)
 
-The interpreter's one workaround, behind the switch `EMULATE_BF16` (on only under TRITON_INTERPRET=1):
-Triton 3.9's interpreter keeps bfloat16 values as raw 16-bit integers, so `x + y` on two bf16 blocks adds
-their bit patterns (garbage), and its fp32 → bf16 cast truncates instead of rounding. With the switch on,
-the kernel widens bf16 to fp32 itself (exact: a bf16 is the top half of an fp32), adds in fp32, and rounds
-back to the nearest bf16, ties to even — what PyTorch and a GPU do. Compiled Triton needs none of this.
+Under the interpreter, bf16 is widened and rounded by hand (`llmlab.kernels.interpreter.EMULATE_BF16`: the
+interpreter adds bf16 values as raw integers); compiled Triton adds them directly.
 """
 
 from __future__ import annotations
@@ -28,28 +25,12 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from llmlab.kernels.interpreter import EMULATE_BF16, bf16_to_fp32, fp32_to_bf16
 
 from llmlab import runtime
 from llmlab.bench import compare
 
-__all__ = ["add_kernel", "add", "reference", "bench", "EMULATE_BF16"]
-
-EMULATE_BF16 = runtime.triton_interpreted()  # the interpreter-only switch (see the module docstring)
-
-
-@triton.jit
-def _bf16_to_fp32(v):
-    """Widen bf16 to fp32 bit by bit: the 16 bits of a bf16 become the high half of the fp32."""
-    return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _fp32_to_bf16(v):
-    """Round fp32 to the nearest bf16, ties to even: add just under half of the 16 dropped bits' unit
-    (0x7FFF), plus one more when the kept part is odd, then drop the low 16 bits."""
-    bits = v.to(tl.uint32, bitcast=True)
-    bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+__all__ = ["add_kernel", "add", "reference", "bench"]
 
 
 @triton.jit
@@ -60,7 +41,7 @@ def add_kernel(x_ptr, y_ptr, out_ptr, n_elements, BLOCK_SIZE: tl.constexpr, BF16
     x = tl.load(x_ptr + offsets, mask=mask)
     y = tl.load(y_ptr + offsets, mask=mask)
     if BF16_VIA_FP32:
-        out = _fp32_to_bf16(_bf16_to_fp32(x) + _bf16_to_fp32(y))
+        out = fp32_to_bf16(bf16_to_fp32(x) + bf16_to_fp32(y))
     else:
         out = x + y
     tl.store(out_ptr + offsets, out, mask=mask)

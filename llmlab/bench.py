@@ -27,6 +27,7 @@ __all__ = ["BENCHES", "names", "get", "median_seconds", "compare", "record", "fo
 # name -> "module:function". A new bench adds one line here; its module is imported only when it runs.
 BENCHES: dict[str, str] = {
     "vector_add": "llmlab.kernels.vector_add:bench",
+    "gemm": "llmlab.kernels.gemm:bench",
 }
 
 

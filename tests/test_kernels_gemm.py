@@ -10,7 +10,8 @@ from llmlab.kernels import gemm
 # the float64 product of the same (already rounded) inputs:
 #   |C - C64| <= u_out * |C64| + K * u_fp32 * (|A| @ |B|)
 # u_out is the unit roundoff of the output dtype (half an ulp: 2^-24 fp32, 2^-11 fp16, 2^-8 bf16); K * u_fp32
-# bounds the fp32 summation error (the classic gamma_K). A factor 2 leaves room for the epilogue's rounding.
+# bounds the fp32 summation error (the classic gamma_K). The fused epilogue adds at most one more fp32
+# rounding per operation, far below these terms; relu/gelu are at most ~1.13-Lipschitz, hence the 1.2.
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 
@@ -18,7 +19,8 @@ def assert_gemm_close(c, a, b, bias=None, activation=None):
     ref = gemm.reference(a.double(), b.double(), None if bias is None else bias.double(), activation)
     k = a.shape[1]
     abs_prod = a.double().abs() @ b.double().abs() + (0 if bias is None else bias.double().abs())
-    bound = 2 * (UNIT_ROUNDOFF[c.dtype] * ref.abs() + k * 2.0**-24 * abs_prod) + 1e-30
+    slope = 1.0 if activation is None else 1.2
+    bound = UNIT_ROUNDOFF[c.dtype] * ref.abs() + slope * (k + 2) * 2.0**-24 * abs_prod + 1e-30
     err = (c.double() - ref).abs()
     assert not torch.isnan(c).any(), "some element of C was never written (still NaN)"
     worst = (err / bound).max().item() if err.numel() else 0.0
@@ -59,8 +61,6 @@ def test_transposed_and_strided_inputs(dtype):
 def test_fused_bias_and_activation(activation, dtype):
     a, b, bias = torch.randn(33, 47).to(dtype), torch.randn(47, 29).to(dtype), torch.randn(29).to(dtype)
     c = gemm.matmul(a, b, bias=bias, activation=activation, out=poisoned(33, 29, dtype))
-    # relu and gelu are 1-Lipschitz (gelu's slope is at most ~1.13), so the matmul bound carries through
-    # up to that slope; the 2x in the bound covers it.
     assert_gemm_close(c, a, b, bias, activation)
 
 
@@ -93,6 +93,6 @@ def test_tensors_on_different_devices():
 
 
 def test_bench_reports_both_implementations():
-    (row,) = gemm.bench(sizes=[16], dtypes=[torch.float32], reps=1)
-    assert row["size"] == 16 and row["triton_tflops"] > 0 and row["torch_tflops"] > 0
-    assert row["ratio"] == pytest.approx(row["triton_tflops"] / row["torch_tflops"])
+    (row,) = gemm.bench(sizes=[16], dtypes=[torch.float32])
+    assert row["size"] == 16 and row["impl_TFLOP/s"] > 0 and row["peer_TFLOP/s"] > 0
+    assert row["impl_TFLOP/s"] / row["peer_TFLOP/s"] == pytest.approx(1 / row["ratio"])

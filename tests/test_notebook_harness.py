@@ -11,10 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import conftest
 import nbformat
 from nbformat.v4 import new_code_cell, new_notebook
 
+import conftest
 from llmlab import runtime
 
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
