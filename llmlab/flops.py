@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmlab import claims
+
 SECONDS_PER_DAY = 86_400.0
 
 
@@ -93,3 +95,41 @@ def mfu(flops_per_step: float, step_seconds: float, gpus: int, peak_flops: float
     """Measured MFU: useful FLOPs per second over the devices' combined peak."""
     _positive(flops_per_step=flops_per_step, step_seconds=step_seconds, gpus=gpus, peak_flops=peak_flops)
     return flops_per_step / step_seconds / (gpus * peak_flops)
+
+
+# --- the course text's claims (§1), measured by the functions above ----------------------------------------
+
+GPT3 = dict(n_params=175e9, tokens=300e9, paper_flops=3.14e23)  # Brown et al. 2020, Table D.1: 3.14e23 FLOPs
+GPT3_CONFIG = dict(vocab_size=50257, block_size=2048, n_layer=96, n_head=96, n_embd=12288)
+CLAIMED_GPUS, CLAIMED_DAYS = 1000, 34  # "≈ 1000 A100 for 34 days"
+
+
+@claims.register("C1", chapter=1)
+def _claim_gpt3_flops() -> claims.Measurement:
+    from llmlab.model import GPTConfig
+
+    six_nd = training_flops(GPT3["n_params"], GPT3["tokens"])
+    cfg = GPTConfig(**GPT3_CONFIG)
+    per_token = training_step_flops(cfg, 1) / cfg.block_size  # counted matmul by matmul, attention included
+    counted = per_token * GPT3["tokens"]
+    error = abs(six_nd - GPT3["paper_flops"]) / GPT3["paper_flops"]
+    return claims.Measurement(
+        value={"6ND": six_nd, "per-matmul count": counted}, unit="FLOP",
+        text=f"6·N·D = {six_nd:.3g}; counted per matmul (T=2048, attention and lm head included) = {counted:.3g}",
+        device="computed", verdict="holds" if error < 0.02 else "wrong")
+
+
+@claims.register("C2", chapter=1)
+def _claim_gpt3_days() -> claims.Measurement:
+    from llmlab.hardware import SPECS
+
+    peak = SPECS["A100 SXM"].peak_flops("bf16")
+    needed = implied_mfu(GPT3["paper_flops"], CLAIMED_GPUS, CLAIMED_DAYS, peak)
+    # MFU reported for large dense runs: GPT-3 21%, Gopher 33%, MT-NLG 30%, PaLM 46% (Chowdhery et al. 2022,
+    # Table 3); Megatron-LM reaches 52% of A100 peak at 1T parameters (Narayanan et al. 2021)
+    plausible = 0.2 <= needed <= 0.6
+    return claims.Measurement(
+        value=needed, unit="MFU",
+        text=f"needs {needed:.0%} MFU of the A100's {peak / 1e12:.0f} TFLOP/s bf16 dense: "
+             f"{'a realistic' if plausible else 'an unrealistic'} utilisation for a run of that size",
+        device="computed", verdict="holds with conditions" if plausible else "misleading")

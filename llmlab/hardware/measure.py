@@ -1,4 +1,4 @@
-"""What the machine under a chapter can do: its matmul FLOP/s and memory bandwidth, measured here.
+"""Measured here: what the machine under a chapter can do, its matmul FLOP/s and memory bandwidth.
 
 A speed a chapter reports means something only next to what the machine could do at best. Two numbers bound
 almost every kernel (the roofline model):

@@ -1,0 +1,13 @@
+"""What hardware can do: the sourced spec sheet (`specs`), the roofline model (`roofline`), and this machine
+measured (`measure`).
+
+    from llmlab import hardware
+    hardware.SPECS["A100 SXM"].bf16_tflops        # 312
+    hardware.measure()                             # this machine's matmul FLOP/s and copy bandwidth
+"""
+
+from llmlab.hardware import roofline
+from llmlab.hardware.measure import Measured, device_name, measure
+from llmlab.hardware.specs import SPECS, Spec, cpu_peak_tflops, spec
+
+__all__ = ["Measured", "device_name", "measure", "roofline", "SPECS", "Spec", "spec", "cpu_peak_tflops"]

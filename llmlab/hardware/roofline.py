@@ -1,0 +1,150 @@
+"""The roofline model: is a kernel limited by arithmetic or by memory traffic?
+
+A kernel doing F FLOPs while moving B bytes to and from memory has arithmetic intensity I = F / B. On a
+device with peak P FLOP/s and memory bandwidth W bytes/s it can run at most
+
+    attainable(I) = min(P, I · W)
+
+so below the ridge point I* = P / W it is memory-bound (the sloped roof), above it compute-bound (the flat
+roof). A GEMM (m, k) @ (k, n) does 2mnk FLOPs on at least (mk + kn + mn) elements: big square GEMMs sit far
+right of the ridge; a GEMM with m = 1 (a matrix-vector product, e.g. decoding one token) sits far left.
+
+    from llmlab.hardware import roofline, SPECS
+    I = roofline.gemm_intensity(4096, 4096, 4096, bytes_per_element=2)    # 1365 FLOP/byte
+    roofline.attainable(I, SPECS["A100 SXM"].peak_flops(), SPECS["A100 SXM"].hbm_gbs * 1e9)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from llmlab import claims
+
+__all__ = ["gemm_flops", "gemm_bytes", "gemm_intensity", "attainable", "ridge_point", "bound", "Point",
+           "model_gemms", "measure_point", "plot"]
+
+
+def _positive(**values) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+            raise ValueError(f"{name}={v!r} must be a positive number")
+
+
+def gemm_flops(m: int, n: int, k: int) -> int:
+    _positive(m=m, n=n, k=k)
+    return 2 * m * n * k
+
+
+def gemm_bytes(m: int, n: int, k: int, bytes_per_element: int = 2) -> int:
+    """The least memory traffic of C = A @ B: read A and B once, write C once."""
+    _positive(m=m, n=n, k=k, bytes_per_element=bytes_per_element)
+    return (m * k + k * n + m * n) * bytes_per_element
+
+
+def gemm_intensity(m: int, n: int, k: int, bytes_per_element: int = 2) -> float:
+    """FLOPs per byte of the GEMM (m, k) @ (k, n)."""
+    return gemm_flops(m, n, k) / gemm_bytes(m, n, k, bytes_per_element)
+
+
+def attainable(intensity: float, peak_flops: float, bandwidth: float) -> float:
+    """The roof: min(peak, intensity × bandwidth), in FLOP/s."""
+    _positive(intensity=intensity, peak_flops=peak_flops, bandwidth=bandwidth)
+    return min(peak_flops, intensity * bandwidth)
+
+
+def ridge_point(peak_flops: float, bandwidth: float) -> float:
+    _positive(peak_flops=peak_flops, bandwidth=bandwidth)
+    return peak_flops / bandwidth
+
+
+def bound(intensity: float, peak_flops: float, bandwidth: float) -> str:
+    """'memory' left of the ridge point, 'compute' at or right of it."""
+    return "compute" if intensity >= ridge_point(peak_flops, bandwidth) else "memory"
+
+
+@dataclass(frozen=True)
+class Point:
+    """A GEMM placed on a roofline: its shape, intensity and (optionally) a measured FLOP/s."""
+
+    label: str
+    m: int
+    n: int
+    k: int
+    bytes_per_element: int = 2
+    measured_flops: float | None = None
+
+    @property
+    def intensity(self) -> float:
+        return gemm_intensity(self.m, self.n, self.k, self.bytes_per_element)
+
+
+def measure_point(point: Point, device=None, repeats: int = 5) -> Point:
+    """`point` with its FLOP/s measured here (fp32 when bytes_per_element is 4, else bf16 on a GPU / fp32 on
+    a CPU, whose matmul has no fast bf16 path)."""
+    import torch
+
+    from llmlab import runtime
+    from llmlab.bench import median_seconds
+
+    device = runtime.device() if device is None else torch.device(device)
+    dtype = torch.bfloat16 if (device.type == "cuda" and point.bytes_per_element == 2) else torch.float32
+    a = torch.randn(point.m, point.k, device=device, dtype=dtype)
+    b = torch.randn(point.k, point.n, device=device, dtype=dtype)
+    seconds = median_seconds(lambda: a @ b, device=device, repeats=repeats)
+    return replace(point, bytes_per_element=a.element_size(),
+                   measured_flops=gemm_flops(point.m, point.n, point.k) / seconds)
+
+
+def model_gemms(config, tokens: int, bytes_per_element: int = 2) -> list[Point]:
+    """The weight GEMMs of one transformer layer of `config` (llmlab.model.GPTConfig) on `tokens` tokens."""
+    _positive(tokens=tokens)
+    C = config.n_embd
+    shapes = [("qkv", 3 * C, C), ("attn out", C, C), ("mlp up", 4 * C, C), ("mlp down", C, 4 * C)]
+    return [Point(f"{name} ({tokens}×{k} @ {k}×{n})", tokens, n, k, bytes_per_element) for name, n, k in shapes]
+
+
+def plot(devices: dict[str, tuple[float, float]], points: list[Point] = (), ax=None, i_range=(0.1, 1e4)):
+    """Draw each device's roof (name → (peak FLOP/s, bandwidth B/s)) on log-log axes, with GEMM points.
+
+    A point with `measured_flops` is drawn filled at that height; otherwise hollow on the x-axis line of
+    its intensity (where the roofs above it say what it could reach).
+    """
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4.5))
+    xs = np.logspace(np.log10(i_range[0]), np.log10(i_range[1]), 200)
+    for name, (peak, bw) in devices.items():
+        ax.plot(xs, np.minimum(peak, xs * bw), label=f"{name} (ridge {ridge_point(peak, bw):.0f} FLOP/B)")
+    for p in points:
+        ax.axvline(p.intensity, color="grey", lw=0.6, ls=":")
+        if p.measured_flops is not None:
+            ax.plot(p.intensity, p.measured_flops, "o", ms=7, label=f"{p.label}: measured")
+        else:
+            ax.annotate(p.label, (p.intensity, ax.get_ylim()[0]), rotation=90, fontsize=7, va="bottom")
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)", ylabel="FLOP/s",
+           title="roofline: attainable = min(peak, intensity × bandwidth)")
+    ax.legend(fontsize=7)
+    return ax
+
+
+@claims.register("C4", chapter=1)
+def _claim_bandwidth_matters() -> claims.Measurement:
+    from llmlab import hardware
+
+    machine = hardware.measure(seconds=0.6)
+    n = machine.matmul_n
+    square = measure_point(Point("square", n, n, n, 4))
+    # a weight far larger than any cache (256 MiB of fp32), so every byte really comes from memory
+    gemv = measure_point(Point("matrix-vector", 1, 8192, 8192, 4))
+    predicted = attainable(gemv.intensity, machine.matmul_flops, machine.copy_bandwidth)
+    share = gemv.measured_flops / square.measured_flops
+    return claims.Measurement(
+        value={"square FLOP/s": square.measured_flops, "gemv FLOP/s": gemv.measured_flops,
+               "gemv roofline FLOP/s": predicted}, unit="FLOP/s",
+        text=(f"a square {n}³ GEMM (intensity {square.intensity:.0f} FLOP/B) runs at "
+              f"{square.measured_flops / 1e9:.0f} GFLOP/s; a matrix-vector product with an 8192² weight "
+              f"(intensity {gemv.intensity:.2f}) at {gemv.measured_flops / 1e9:.1f} GFLOP/s = {share:.0%} of it, "
+              f"against ≤ {predicted / 1e9:.1f} predicted by the roofline from the measured copy bandwidth"),
+        device=claims.here(), verdict="holds" if share < 0.5 else "holds with conditions")

@@ -1,0 +1,102 @@
+"""The spec sheet: peak figures of the accelerators the course talks about, each with its source.
+
+Two compute columns, because they differ by an order of magnitude and the course text's table (§5.1) picks
+the wrong one for training:
+
+- `fp32_tflops`: FP32 on the ordinary (SIMT) cores — what the course's table lists;
+- `bf16_tflops`: BF16 on the tensor/matrix cores, dense — what mixed-precision training runs on. Vendors'
+  headline tensor figures are often *with 2:4 structured sparsity* (`bf16_sparse_tflops`, 2× dense), which
+  only kernels written for pruned 2:4 weights reach.
+
+Interconnect figures (`link_gbs`) are what vendors quote: the total of both directions over all links of one
+GPU (NVLink 4 on H100: 18 links × 25 GB/s × 2 directions = 900 GB/s, i.e. 450 GB/s each way).
+
+    from llmlab.hardware import SPECS
+    h100 = SPECS["H100 SXM"]
+    h100.bf16_tflops, h100.ridge_point()        # 989.0 TFLOP/s, 295 FLOP/byte
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Spec", "SPECS", "spec", "cpu_peak_tflops"]
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    fp32_tflops: float  # FP32 on the SIMT cores (vector), dense
+    bf16_tflops: float  # BF16 on tensor/matrix cores, dense (no sparsity); SIMT FP32 where there are none
+    bf16_sparse_tflops: float | None  # with 2:4 structured sparsity; None where not offered
+    memory_gb: float
+    hbm_gbs: float  # memory bandwidth, GB/s
+    link: str
+    link_gbs: float  # interconnect per GPU, GB/s, both directions together (as vendors quote it)
+    dies: int  # compute dies the software sees as separate devices (MI250/MI250X: 2)
+    source: str
+    notes: str = ""
+
+    @property
+    def link_gbs_per_direction(self) -> float:
+        return self.link_gbs / 2
+
+    def peak_flops(self, precision: str = "bf16") -> float:
+        """Peak FLOP/s for `precision` ('bf16' tensor dense, 'bf16_sparse' or 'fp32')."""
+        table = {"bf16": self.bf16_tflops, "fp32": self.fp32_tflops, "bf16_sparse": self.bf16_sparse_tflops}
+        if precision not in table:
+            raise ValueError(f"precision={precision!r}; choose from {sorted(table)}")
+        if table[precision] is None:
+            raise ValueError(f"{self.name} has no {precision} figure")
+        return table[precision] * 1e12
+
+    def ridge_point(self, precision: str = "bf16") -> float:
+        """FLOPs per byte of memory traffic above which a kernel can be compute-bound (peak / bandwidth)."""
+        return self.peak_flops(precision) / (self.hbm_gbs * 1e9)
+
+
+def cpu_peak_tflops(cores: int, ghz: float, fp32_lanes: int, fma_units: int) -> float:
+    """A CPU's FP32 peak: cores × clock × SIMD lanes × FMA units × 2 FLOPs per fused multiply-add."""
+    return cores * ghz * 1e9 * fp32_lanes * fma_units * 2 / 1e12
+
+
+_NVIDIA = "NVIDIA {} datasheet ({}); tensor figures there are quoted with sparsity, dense = half"
+
+SPECS: dict[str, Spec] = {s.name: s for s in [
+    Spec("A100 SXM", fp32_tflops=19.5, bf16_tflops=312, bf16_sparse_tflops=624, memory_gb=80, hbm_gbs=2039,
+         link="NVLink 3 (12 links)", link_gbs=600, dies=1, source=_NVIDIA.format("A100 Tensor Core GPU", 2021),
+         notes="80 GB SXM4 model; the 40 GB model has 1555 GB/s"),
+    Spec("H100 SXM", fp32_tflops=67, bf16_tflops=989, bf16_sparse_tflops=1979, memory_gb=80, hbm_gbs=3350,
+         link="NVLink 4 (18 links)", link_gbs=900, dies=1, source=_NVIDIA.format("H100 Tensor Core GPU", 2023)),
+    Spec("H100 PCIe", fp32_tflops=51, bf16_tflops=756, bf16_sparse_tflops=1513, memory_gb=80, hbm_gbs=2000,
+         link="NVLink bridge (pairs) / PCIe Gen5 x16 128 GB/s", link_gbs=600, dies=1,
+         source=_NVIDIA.format("H100 Tensor Core GPU", 2023),
+         notes="HBM2e; without a bridge, GPUs talk over PCIe Gen5 x16 (128 GB/s both directions)"),
+    Spec("H200 SXM", fp32_tflops=67, bf16_tflops=989, bf16_sparse_tflops=1979, memory_gb=141, hbm_gbs=4800,
+         link="NVLink 4 (18 links)", link_gbs=900, dies=1, source=_NVIDIA.format("H200 Tensor Core GPU", 2024),
+         notes="the H100's compute with HBM3e"),
+    Spec("B200", fp32_tflops=75, bf16_tflops=2250, bf16_sparse_tflops=4500, memory_gb=180, hbm_gbs=7700,
+         link="NVLink 5 (18 links)", link_gbs=1800, dies=1,
+         source="NVIDIA HGX B200 datasheet (2024), per GPU; tensor figures there are quoted with sparsity",
+         notes="two dies joined by a 10 TB/s link, seen by software as one GPU"),
+    Spec("MI250X", fp32_tflops=47.9, bf16_tflops=383, bf16_sparse_tflops=None, memory_gb=128, hbm_gbs=3277,
+         link="Infinity Fabric (8 links × 100 GB/s)", link_gbs=800, dies=2,
+         source="AMD Instinct MI250X product page (2021): peak FP32 vector, FP16/BF16 matrix",
+         notes="two GCDs, each a separate device with 64 GB and 1.6 TB/s; FP32 matrix is 95.7"),
+    Spec("MI250", fp32_tflops=45.3, bf16_tflops=362.1, bf16_sparse_tflops=None, memory_gb=128, hbm_gbs=3277,
+         link="Infinity Fabric (6 links × 100 GB/s)", link_gbs=600, dies=2,
+         source="AMD Instinct MI250 product page (2021): peak FP32 vector, FP16/BF16 matrix",
+         notes="two GCDs, each a separate device with 64 GB and 1.6 TB/s; 800 GB/s is the MI250X's 8 links"),
+    Spec("laptop CPU", fp32_tflops=cpu_peak_tflops(cores=8, ghz=3.0, fp32_lanes=8, fma_units=2),
+         bf16_tflops=cpu_peak_tflops(cores=8, ghz=3.0, fp32_lanes=8, fma_units=2), bf16_sparse_tflops=None,
+         memory_gb=32, hbm_gbs=89.6, link="none (one socket)", link_gbs=0, dies=1,
+         source="computed: 8 cores × 3 GHz × 8 fp32 lanes (AVX2) × 2 FMA units × 2; dual-channel DDR5-5600 "
+                "= 2 × 8 B × 5600 MT/s",
+         notes="a typical 2023 laptop; no tensor units, so bf16 runs at the fp32 rate at best"),
+]}
+
+
+def spec(name: str) -> Spec:
+    if name not in SPECS:
+        raise ValueError(f"no spec for {name!r}; known: {', '.join(SPECS)}")
+    return SPECS[name]
