@@ -28,6 +28,7 @@ __all__ = ["BENCHES", "names", "get", "median_seconds", "compare", "record", "fo
 BENCHES: dict[str, str] = {
     "vector_add": "llmlab.kernels.vector_add:bench",
     "gemm": "llmlab.kernels.gemm:bench",
+    "precision": "llmlab.precision:bench",
 }
 
 
@@ -105,7 +106,7 @@ def record(name: str, rows: list[dict]) -> dict:
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": hardware.device_name(runtime.device()),
         "tier": runtime.tier().name,
-        "triton": "interpreted" if runtime.triton_interpreted() else "compiled",
+        "triton": "interpreted" if runtime.configure_triton() else "compiled",
         "versions": {"python": platform.python_version(), "torch": _version("torch"),
                      "triton": _version("triton"), "llmlab": _version("llmlab")},
         "sizes": sorted({row["size"] for row in rows if "size" in row}),

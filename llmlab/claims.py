@@ -43,7 +43,8 @@ __all__ = [
 VERDICTS = ("holds", "holds with conditions", "wrong", "misleading")
 
 # The library modules that register claims; a chapter's module adds its name here (e.g. "llmlab.flops").
-CLAIM_MODULES: tuple[str, ...] = ("llmlab.flops", "llmlab.sparsity", "llmlab.hardware.roofline")
+CLAIM_MODULES: tuple[str, ...] = ("llmlab.flops", "llmlab.sparsity", "llmlab.hardware.roofline",
+                                   "llmlab.precision")
 
 REFERENCE_PATH = Path(__file__).resolve().parent / "CLAIMS.md"
 
