@@ -1,0 +1,1 @@
+"""Parallel training written from scratch on torch.distributed: pipeline (`pipeline`), and more to come."""

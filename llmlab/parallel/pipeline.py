@@ -1,0 +1,258 @@
+"""Pipeline parallelism: a model cut into stages on ranks, micro-batches handed on with point-to-point.
+
+A batch is split into m micro-batches. Stage s (rank s of p) runs its layers on each micro-batch, sends the
+activation to stage s+1, and later receives the gradient of that activation back from s+1, runs backward and
+sends the gradient of its input to s-1. Two schedules of the same work:
+
+- GPipe (Huang et al. 2019): every forward, then every backward. A stage holds the activations of all m
+  micro-batches at once.
+- 1F1B (PipeDream-Flush; Narayanan et al. 2021, §2.2): stage s warms up with p-s-1 forwards, then alternates
+  one forward and one backward, then cools down with the remaining backwards. It holds at most p-s
+  micro-batches' activations: memory bounded by p, not m.
+
+Both leave each stage idle for the same "bubble": (p-1) of the (m+p-1) slots of the pipeline, so the bubble
+fraction is (p-1)/(m+p-1) when every stage takes the same time per micro-batch. `simulate` computes the
+timeline of a schedule from per-micro-batch times; `pipeline_step` runs it for real on ranks and records
+its own timeline; `plot_timeline` draws either one.
+
+    from llmlab import dist
+    from llmlab.parallel import pipeline
+
+    def step(seq, batch, target):               # on every rank of dist.spawn(step, p, ...)
+        stage = pipeline.partition(seq, td.get_world_size())[td.get_rank()]
+        return pipeline.pipeline_step(stage, batch, target, torch.nn.functional.mse_loss, micro_batches=4)
+
+Under torchrun, call `dist.init_from_env()` first and the same function on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as td
+
+__all__ = ["SCHEDULES", "Action", "Event", "Timeline", "schedule", "simulate", "bubble_fraction", "partition",
+           "pipeline_step", "plot_timeline"]
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "F" or "B"
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class Event:
+    stage: int
+    kind: str
+    micro_batch: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What each stage did when: simulated, or recorded by a real run (`pipeline_step`)."""
+
+    stages: int
+    micro_batches: int
+    events: tuple[Event, ...]
+
+    @classmethod
+    def from_ranks(cls, results: list[dict], micro_batches: int) -> Timeline:
+        """The timeline of a real run: the events that `pipeline_step` returned on every rank."""
+        return cls(len(results), micro_batches, tuple(e for r in results for e in r["events"]))
+
+    @property
+    def makespan(self) -> float:
+        return max(e.end for e in self.events) - min(e.start for e in self.events)
+
+    @property
+    def bubble(self) -> float:
+        """The idle share of the stages' time between the first start and the last end."""
+        busy = sum(e.end - e.start for e in self.events)
+        return 1.0 - busy / (self.stages * self.makespan)
+
+    def peak_in_flight(self, stage: int) -> int:
+        """The most micro-batches whose forward has run on `stage` but not yet their backward."""
+        live = peak = 0
+        for e in sorted((e for e in self.events if e.stage == stage), key=lambda e: e.start):
+            live += 1 if e.kind == "F" else -1
+            peak = max(peak, live)
+        return peak
+
+
+def bubble_fraction(stages: int, micro_batches: int) -> float:
+    """(p-1)/(m+p-1): the pipeline bubble with equal time per stage."""
+    _check_sizes(stages, micro_batches)
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def _check_sizes(stages, micro_batches) -> None:
+    for name, v in (("stages", stages), ("micro_batches", micro_batches)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an int >= 1")
+
+
+def schedule(kind: str, stages: int, micro_batches: int) -> list[list[Action]]:
+    """Each stage's actions in the order it runs them."""
+    _check_sizes(stages, micro_batches)
+    if kind not in SCHEDULES:
+        raise ValueError(f"schedule kind={kind!r}; choose from {SCHEDULES}")
+    m = micro_batches
+    plans = []
+    for s in range(stages):
+        if kind == "gpipe":
+            plans.append([Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)])
+            continue
+        warmup = min(stages - s - 1, m)
+        plan = [Action("F", i) for i in range(warmup)]
+        for i in range(m - warmup):  # steady state: one forward, one backward
+            plan += [Action("F", warmup + i), Action("B", i)]
+        plan += [Action("B", i) for i in range(m - warmup, m)]  # cool-down
+        plans.append(plan)
+    return plans
+
+
+def simulate(kind: str, stages: int, micro_batches: int, t_forward: float = 1.0,
+             t_backward: float = 2.0) -> Timeline:
+    """The timeline of `schedule(kind, …)` when each forward takes t_forward and each backward t_backward.
+
+    An action starts when its stage is free and its input is there: F(s, i) needs F(s-1, i), B(s, i) needs
+    B(s+1, i) (and F(s, i)). Sends are taken as instantaneous.
+    """
+    if not (t_forward > 0 and t_backward > 0):
+        raise ValueError(f"t_forward={t_forward} and t_backward={t_backward} must be > 0")
+    plans = schedule(kind, stages, micro_batches)
+    done: dict[tuple[int, str, int], float] = {}
+    position, free_at, events = [0] * stages, [0.0] * stages, []
+    while any(position[s] < len(plans[s]) for s in range(stages)):
+        progressed = False
+        for s in range(stages):
+            if position[s] == len(plans[s]):
+                continue
+            a = plans[s][position[s]]
+            need = [(s - 1, "F", a.micro_batch)] if a.kind == "F" and s > 0 else []
+            if a.kind == "B":
+                need = [(s, "F", a.micro_batch)] + ([(s + 1, "B", a.micro_batch)] if s < stages - 1 else [])
+            if all(n in done for n in need):
+                start = max([free_at[s]] + [done[n] for n in need])
+                end = start + (t_forward if a.kind == "F" else t_backward)
+                done[(s, a.kind, a.micro_batch)] = free_at[s] = end
+                events.append(Event(s, a.kind, a.micro_batch, start, end))
+                position[s] += 1
+                progressed = True
+        if not progressed:  # cannot happen for these schedules; guards a wrong one against looping forever
+            raise RuntimeError(f"schedule {kind!r} deadlocks: {[plans[s][position[s]] for s in range(stages)]}")
+    return Timeline(stages, micro_batches, tuple(events))
+
+
+def partition(layers: torch.nn.Sequential, stages: int) -> list[torch.nn.Sequential]:
+    """Cut `layers` into `stages` consecutive pieces of (nearly) equal length."""
+    if not isinstance(layers, torch.nn.Sequential):
+        raise ValueError(f"layers must be a torch.nn.Sequential, got {type(layers).__name__}")
+    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= len(layers):
+        raise ValueError(f"stages={stages!r} must be between 1 and the {len(layers)} layers")
+    bounds = torch.linspace(0, len(layers), stages + 1).round().long().tolist()
+    return [layers[bounds[i]:bounds[i + 1]] for i in range(stages)]
+
+
+def _send(t: torch.Tensor, dst: int, group) -> list:
+    """Send a tensor's shape, then the tensor (isend: never blocks, so no schedule can deadlock on it)."""
+    header = torch.tensor([t.dim(), *t.shape], dtype=torch.long)
+    size = torch.tensor([header.numel()], dtype=torch.long)
+    return [td.isend(x, dst, group=group) for x in (size, header, t.contiguous())]
+
+
+def _recv(src: int, dtype, group) -> torch.Tensor:
+    size = torch.empty(1, dtype=torch.long)
+    td.recv(size, src, group=group)
+    header = torch.empty(int(size), dtype=torch.long)
+    td.recv(header, src, group=group)
+    t = torch.empty(header[1:].tolist(), dtype=dtype)
+    td.recv(t, src, group=group)
+    return t
+
+
+def pipeline_step(stage: torch.nn.Module, batch: torch.Tensor | None, target: torch.Tensor | None, loss_fn,
+                  micro_batches: int, kind: str = "1f1b", group=None) -> dict:
+    """One training step's forward and backward of this rank's `stage`, by `kind`'s schedule.
+
+    Rank 0 of `group` needs `batch` (B, ...) and the last rank `target`; both are split into
+    `micro_batches` equal micro-batches. The loss is the mean over micro-batches, so the gradients equal
+    those of the unsplit model on the whole batch. Gradients accumulate in `stage`'s parameters (no
+    optimizer step). Returns this rank's events, its peak number and bytes of micro-batches held, and the
+    loss on the last rank.
+    """
+    rank, p = td.get_rank(group), td.get_world_size(group)
+    first, last = rank == 0, rank == p - 1
+    to_global = (lambda r: td.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    dtype = next(stage.parameters()).dtype
+    if first and (batch is None or batch.shape[0] % micro_batches):
+        raise ValueError(f"batch of {None if batch is None else batch.shape[0]} rows must split into "
+                         f"micro_batches={micro_batches}")
+    if last and target is None:
+        raise ValueError("the last stage needs the target")
+    inputs = batch.chunk(micro_batches) if first else None
+    targets = target.chunk(micro_batches) if last else None
+    held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (input, output) kept for backward
+    held_bytes: dict[int, int] = {}  # micro-batch -> bytes of activations autograd saved for its backward
+    weights = {p.data_ptr() for p in stage.parameters()}
+    pending, events, total_loss = [], [], 0.0
+    peak = peak_bytes = 0
+    for a in schedule(kind, p, micro_batches)[rank]:
+        start = time.perf_counter()
+        if a.kind == "F":
+            x = inputs[a.micro_batch] if first else _recv(to_global(rank - 1), dtype, group).requires_grad_()
+            saved = [0]
+
+            def count(t, saved=saved):  # autograd keeps t for the backward: activations, not weights
+                if t.data_ptr() not in weights:
+                    saved[0] += t.numel() * t.element_size()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+                y = stage(x)
+            if last:
+                y = loss_fn(y, targets[a.micro_batch]) / micro_batches
+                total_loss += y.item()
+            else:
+                pending += _send(y.detach(), to_global(rank + 1), group)
+            held[a.micro_batch], held_bytes[a.micro_batch] = (x, y), saved[0]
+            peak = max(peak, len(held))
+            peak_bytes = max(peak_bytes, sum(held_bytes.values()))
+        else:
+            x, y = held.pop(a.micro_batch)
+            del held_bytes[a.micro_batch]
+            grad = None if last else _recv(to_global(rank + 1), dtype, group)
+            y.backward(grad)
+            if not first:
+                pending += _send(x.grad, to_global(rank - 1), group)
+        events.append(Event(rank, a.kind, a.micro_batch, start, time.perf_counter()))
+    for work in pending:
+        work.wait()
+    return {"events": events, "peak_in_flight": peak, "peak_activation_bytes": peak_bytes,
+            "loss": total_loss if last else None}
+
+
+def plot_timeline(timeline: Timeline, ax=None, title: str | None = None):
+    """One row per stage; forwards and backwards as bars labelled by micro-batch."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * timeline.stages))
+    t0 = min(e.start for e in timeline.events)
+    colours = {"F": "tab:blue", "B": "tab:orange"}
+    for e in timeline.events:
+        ax.barh(e.stage, e.end - e.start, left=e.start - t0, color=colours[e.kind], edgecolor="white")
+        ax.text(e.start - t0 + (e.end - e.start) / 2, e.stage, str(e.micro_batch), ha="center", va="center",
+                fontsize=7, color="white")
+    ax.set(yticks=range(timeline.stages), yticklabels=[f"stage {s}" for s in range(timeline.stages)],
+           xlabel="time", title=title or f"bubble {timeline.bubble:.0%} (formula "
+                                         f"{bubble_fraction(timeline.stages, timeline.micro_batches):.0%})")
+    ax.invert_yaxis()
+    return ax

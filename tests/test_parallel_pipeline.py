@@ -1,0 +1,109 @@
+"""Pipeline schedules: simulated bubbles equal (p-1)/(m+p-1); real runs on ranks equal the unsplit model."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from llmlab import dist
+from llmlab.parallel import pipeline
+
+
+@given(p=st.integers(1, 8), m=st.integers(1, 16), kind=st.sampled_from(pipeline.SCHEDULES))
+def test_simulated_bubble_equals_formula(p, m, kind):
+    t = pipeline.simulate(kind, p, m, t_forward=1.0, t_backward=2.0)
+    assert t.bubble == pytest.approx(pipeline.bubble_fraction(p, m))
+    assert len(t.events) == 2 * p * m
+    peaks = [t.peak_in_flight(s) for s in range(p)]
+    if kind == "gpipe":
+        assert peaks == [m] * p
+    else:
+        assert all(peak <= min(p - s, m) for s, peak in enumerate(peaks))
+
+
+def test_1f1b_phases():
+    plans = pipeline.schedule("1f1b", 4, 6)
+    first = "".join(a.kind for a in plans[0])
+    assert first == "FFF" + "FB" * 3 + "BBB"  # warm-up p-1, steady, cool-down
+    assert "".join(a.kind for a in plans[3]) == "FB" * 6  # the last stage never waits to start backward
+
+
+def _model():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(16, 16), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers).double()
+
+
+def _run_stage(p, kind, micro_batches):
+    import torch.distributed as td
+
+    group = td.new_group(list(range(p)))  # every rank takes part in creating the group
+    if td.get_rank() >= p:
+        return None
+    torch.manual_seed(1)
+    batch, target = torch.randn(12, 16, dtype=torch.float64), torch.randn(12, 16, dtype=torch.float64)
+    stage = pipeline.partition(_model(), p)[td.get_rank()]
+    out = pipeline.pipeline_step(stage, batch, target, torch.nn.functional.mse_loss, micro_batches, kind, group)
+    out["grads"] = [prm.grad for prm in stage.parameters()]
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with dist.Cluster(4) as c:
+        yield c
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("kind", pipeline.SCHEDULES)
+def test_real_pipeline_equals_unsplit_model(cluster, p, kind):
+    m = 6
+    results = [r for r in cluster.run(_run_stage, p, kind, m) if r is not None]
+    torch.manual_seed(1)
+    batch, target = torch.randn(12, 16, dtype=torch.float64), torch.randn(12, 16, dtype=torch.float64)
+    model = _model()
+    loss = torch.nn.functional.mse_loss(model(batch), target)
+    loss.backward()
+    # the reference sliced by rank: stage s holds the layers partition gives it
+    for s, ref_stage in enumerate(pipeline.partition(model, p)):
+        for got, ref in zip(results[s]["grads"], ref_stage.parameters(), strict=True):
+            # float64: the micro-batch sums differ from the full batch's only by rounding (~1e-16 relative)
+            torch.testing.assert_close(got, ref.grad, rtol=1e-12, atol=1e-14)
+    assert results[-1]["loss"] == pytest.approx(loss.item(), rel=1e-12)
+    peaks = [r["peak_in_flight"] for r in results]
+    assert peaks == ([m] * p if kind == "gpipe" else [min(p - s, m) for s in range(p)])
+    timeline = pipeline.Timeline.from_ranks(results, m)
+    assert len(timeline.events) == 2 * p * m and 0 <= timeline.bubble < 1
+
+
+def test_1f1b_holds_fewer_activation_bytes_than_gpipe(cluster):
+    gpipe, ofob = (cluster.run(_run_stage, 2, kind, 6)[:2] for kind in pipeline.SCHEDULES)
+    assert ofob[0]["peak_activation_bytes"] * 3 == gpipe[0]["peak_activation_bytes"]  # 2 of 6 held vs 6
+    assert ofob[0]["peak_activation_bytes"] > 0
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: pipeline.schedule("zero-bubble", 2, 2), "kind='zero-bubble'"),
+    (lambda: pipeline.schedule("gpipe", 0, 2), "stages=0"),
+    (lambda: pipeline.simulate("gpipe", 2, 2, t_forward=0), "t_forward=0"),
+    (lambda: pipeline.partition(_model(), 13), "stages=13 must be between 1 and the 12 layers"),
+    (lambda: pipeline.partition([torch.nn.Linear(2, 2)], 1), "layers must be a torch.nn.Sequential"),
+])
+def test_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_batch_not_divisible_is_a_clear_error_on_the_ranks():
+    def bad():
+        import torch.distributed as td
+
+        stage = pipeline.partition(_model(), 1)[0]
+        return pipeline.pipeline_step(stage, torch.randn(10, 16, dtype=torch.float64),
+                                      torch.randn(10, 16, dtype=torch.float64), torch.nn.functional.mse_loss, 4,
+                                      group=td.group.WORLD)
+
+    with pytest.raises(dist.RankError, match="batch of 10 rows must split into micro_batches=4"):
+        dist.spawn(bad, 1, timeout=30)
