@@ -28,6 +28,7 @@ __all__ = ["BENCHES", "names", "get", "median_seconds", "compare", "record", "fo
 BENCHES: dict[str, str] = {
     "vector_add": "llmlab.kernels.vector_add:bench",
     "gemm": "llmlab.kernels.gemm:bench",
+    "quant": "llmlab.kernels.quantize:bench",
     "precision": "llmlab.precision:bench",
 }
 

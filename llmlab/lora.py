@@ -1,0 +1,263 @@
+"""LoRA: fine-tune a frozen model by training a low-rank update of some of its weight matrices.
+
+Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models" (arXiv:2106.09685), eq. (3): a frozen
+weight W₀ (out × in) gets an update ΔW = BA of rank r, with B (out × r) and A (r × in), r ≪ min(in, out):
+
+    h = W₀x + ΔWx = W₀x + BAx        (scaled by α/r: h = W₀x + (α/r)·BAx)
+
+Only A and B are trained: r·(in + out) numbers instead of in·out, and so that much less gradient and
+optimizer state. After training, BA folds into W₀ (`merge`), so inference costs nothing extra.
+
+Initialisation is what makes it work. The paper takes A random (Gaussian; the reference implementation,
+loralib, uses nn.Linear's Kaiming-uniform) and B = 0, so ΔW = 0 at the start (the model is exactly the
+pretrained one) while gradients still flow. With u = Ax and g = dL/dh:
+
+    dL/dB = (α/r) · g uᵀ = (α/r) · g (Ax)ᵀ          dL/dA = (α/r) · Bᵀ g xᵀ
+
+At step 0, B = 0 makes dL/dA = 0, but A ≠ 0 makes dL/dB ≠ 0: B moves first, then A follows. With BOTH
+zero — the course text's snippet, `torch.zeros` for A and B — Ax = 0 and Bᵀg = 0, so both gradients are
+exactly zero on every step, the optimizer never moves them, and the model never learns anything.
+
+    from llmlab.lora import apply_lora, trainable_parameters
+    names = apply_lora(model, targets=("attn.c_attn", "attn.c_proj"), r=8, alpha=8)
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-3)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from llmlab import claims
+
+__all__ = ["LoRALinear", "apply_lora", "trainable_parameters", "lora_state_dict"]
+
+
+class LoRALinear(nn.Module):
+    """`base(x) + (α/r) · dropout(x) Aᵀ Bᵀ`: a frozen nn.Linear plus a trainable rank-r update (eq. 3).
+
+    `base`'s weight and bias are frozen in place (requires_grad=False); A (r, in) is Kaiming-uniform as in
+    loralib, B (out, r) is zero. Dropout acts on the LoRA path's input only, as in loralib.
+    """
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        if not isinstance(base, nn.Linear):
+            raise ValueError(f"base must be an nn.Linear, got {type(base).__name__}")
+        out_features, in_features = base.weight.shape
+        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= min(in_features, out_features):
+            raise ValueError(f"r={r!r} must be an int in [1, min(in, out)] = [1, {min(in_features, out_features)}] "
+                             f"for a {in_features} -> {out_features} Linear")
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+            raise ValueError(f"alpha={alpha!r} must be a positive number")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout={dropout!r} must be in [0, 1)")
+        self.base = base.requires_grad_(False)
+        self.in_features, self.out_features, self.r, self.alpha = in_features, out_features, r, float(alpha)
+        self.scale = self.alpha / r
+        like = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.lora_A = nn.Parameter(torch.empty(r, in_features, **like))  # (r, in)
+        self.lora_B = nn.Parameter(torch.zeros(out_features, r, **like))  # (out, r): ΔW = BA = 0 at start
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # loralib's choice: nn.Linear's own init
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.merged = False
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, r: int, alpha: float, dropout: float = 0.0) -> LoRALinear:
+        """The same as `LoRALinear(linear, r, alpha, dropout)` (the name the chapter's exercises use)."""
+        return cls(linear, r, alpha, dropout)
+
+    def delta_weight(self) -> torch.Tensor:
+        """ΔW = (α/r) · B A, the (out, in) matrix the LoRA path adds to the frozen weight."""
+        return (self.lora_B @ self.lora_A) * self.scale  # (out, r) @ (r, in) -> (out, in)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.base(x)  # (..., out): W₀x + b, frozen
+        if self.merged:
+            return h  # ΔW is inside base.weight now
+        u = self.dropout(x) @ self.lora_A.T  # (..., in) @ (in, r) -> (..., r): Ax, only r numbers per token
+        return h + (u @ self.lora_B.T) * self.scale  # (..., r) @ (r, out) -> (..., out)
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold ΔW into the frozen weight, W ← W₀ + (α/r)·BA, for inference at a plain Linear's cost.
+
+        While merged, forward skips the LoRA path, and A and B get no gradients: unmerge before training on.
+        """
+        if self.merged:
+            raise RuntimeError("merge(): this LoRALinear is already merged")
+        self.base.weight += self.delta_weight()
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Undo `merge`: W ← W − (α/r)·BA. Exact only up to float rounding: (W₀ + ΔW) − ΔW rounds twice, so
+        an element can differ from W₀ by up to one unit in the last place of |W₀ + ΔW|."""
+        if not self.merged:
+            raise RuntimeError("unmerge(): this LoRALinear is not merged")
+        self.base.weight -= self.delta_weight()
+        self.merged = False
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, r={self.r}, alpha={self.alpha:g}, merged={self.merged}"
+
+
+def _matches(name: str, target: str) -> bool:
+    """A module name matches a target that is its last dotted components: "attn.c_proj" matches
+    "transformer.h.0.attn.c_proj" but not "transformer.h.0.mlp.c_proj"."""
+    return name == target or name.endswith("." + target)
+
+
+def apply_lora(model: nn.Module, targets=("attn.c_attn", "attn.c_proj"), r: int = 8, alpha: float = 8.0,
+               dropout: float = 0.0) -> list[str]:
+    """Replace, in place, every nn.Linear whose name ends with one of `targets` by a LoRALinear; freeze
+    every other parameter. Returns the names replaced.
+
+    α = r (scale 1) by default, following the paper's advice to set α to the first r tried and leave it.
+    Every target must match at least one module, and every module it matches must be an nn.Linear; nothing
+    is changed unless all of them do.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    if not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ValueError(f"targets={targets!r} must be one or more non-empty module-name suffixes")
+    modules = dict(model.named_modules())
+    for target in targets:
+        if not any(_matches(name, target) for name in modules):
+            linears = [n for n, m in modules.items() if isinstance(m, nn.Linear)]
+            raise ValueError(f"targets entry {target!r} matches no module; the Linear layers are {linears}")
+    chosen = {}  # in the model's module order
+    for name, module in modules.items():
+        target = next((t for t in targets if name and _matches(name, t)), None)
+        if target is None:
+            continue
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"targets entry {target!r} matches {name!r}, a {type(module).__name__}, "
+                             "not an nn.Linear")
+        chosen[name] = module
+    replacements = {name: LoRALinear(linear, r, alpha, dropout) for name, linear in chosen.items()}
+    model.requires_grad_(False)  # everything frozen, then the new A and B (created trainable) are added
+    for name, layer in replacements.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+    return list(replacements)
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters that will be trained (requires_grad), each once: what to hand the optimizer."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Only the LoRA matrices A and B: the fine-tune's whole checkpoint (the base model is unchanged)."""
+    return {k: v for k, v in model.state_dict().items() if k.endswith((".lora_A", ".lora_B"))}
+
+
+# --- claim C19: "LoRA saves ≈90% of training resources" -----------------------------------------------------
+
+def _adamw_state_bytes(params: list[nn.Parameter]) -> int:
+    """Bytes of AdamW's state after one step on `params`, summed from optimizer.state (exp_avg, exp_avg_sq,
+    step). On meta tensors this allocates nothing, so it measures GPT-2-sized models for free."""
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    optimizer.step()
+    total = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values())
+    for p in params:
+        p.grad = None
+    return total
+
+
+def _saved_activation_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward during one forward (parameters excluded, each storage once)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            saved[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, y)[1].backward()
+    model.zero_grad(set_to_none=True)
+    return sum(saved.values())
+
+
+def _both_zero_never_learns(steps: int) -> tuple[float, float]:
+    """Fine-tune the tiny GPT with the course's all-zero A and B: (largest |A|,|B| after `steps` AdamW
+    steps, spread max − min of the loss on one fixed batch over those steps). Both are 0 when it never learns."""
+    from llmlab.data import MarkovSource, SyntheticDataset
+    from llmlab.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny"))
+    layers = [model.get_submodule(n) for n in apply_lora(model, r=4)]
+    for layer in layers:
+        nn.init.zeros_(layer.lora_A)
+    x, y = SyntheticDataset(MarkovSource(vocab_size=64, seed=1), batch_size=8, block_size=32).get_batch(0)
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = model(x, y)[1]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    largest = max(p.abs().max().item() for layer in layers for p in (layer.lora_A, layer.lora_B))
+    return largest, max(losses) - min(losses)
+
+
+@claims.register("C19", chapter=8)
+def _claim_lora_resources() -> claims.Measurement:
+    from llmlab.bench import compare
+    from llmlab.data import MarkovSource, SyntheticDataset
+    from llmlab.model import GPT, GPTConfig
+
+    def nbytes(params):
+        return sum(p.numel() * p.element_size() for p in params)
+
+    with torch.device("meta"):  # GPT-2 small's shapes, no memory
+        full, lora = GPT(GPTConfig.preset("gpt2")), GPT(GPTConfig.preset("gpt2"))
+    apply_lora(lora, r=8)
+    n_full, n_lora = (sum(p.numel() for p in trainable_parameters(m)) for m in (full, lora))
+    opt_full, opt_lora = (_adamw_state_bytes(trainable_parameters(m)) for m in (full, lora))
+    # What training holds besides activations: fp32 weights (all of them), gradients (trainable), AdamW state.
+    static_full = nbytes(full.parameters()) + nbytes(trainable_parameters(full)) + opt_full
+    static_lora = nbytes(lora.parameters()) + nbytes(trainable_parameters(lora)) + opt_lora
+    static_saving = 1 - static_lora / static_full
+
+    torch.manual_seed(0)
+    tiny_full = GPT(GPTConfig.preset("tiny"))
+    tiny_lora = GPT(GPTConfig.preset("tiny"))
+    apply_lora(tiny_lora, r=8)
+    x, y = SyntheticDataset(MarkovSource(vocab_size=64, seed=0), batch_size=8, block_size=64).get_batch(0)
+    act_saving = 1 - _saved_activation_bytes(tiny_lora, x, y) / _saved_activation_bytes(tiny_full, x, y)
+    step = lambda m: m(x, y)[1].backward()  # noqa: E731
+    time_ratio = compare(lambda: step(tiny_lora), lambda: step(tiny_full), repeats=5)["ratio"]
+    zero_steps = 5
+    zero_largest, zero_spread = _both_zero_never_learns(zero_steps)
+
+    opt_saving = 1 - opt_lora / opt_full
+    if opt_saving < 0.9:
+        verdict = "wrong"
+    else:
+        verdict = "holds" if min(static_saving, act_saving, 1 - time_ratio) >= 0.9 else "holds with conditions"
+    return claims.Measurement(
+        value={"trainable saving": 1 - n_lora / n_full, "AdamW state saving": opt_saving,
+               "weights+grads+AdamW saving": static_saving, "saved activations saving (tiny)": act_saving,
+               "fwd+bwd time LoRA/full (tiny)": time_ratio, "both-zero max |A|,|B|": zero_largest,
+               "both-zero loss spread": zero_spread},
+        unit="fraction",
+        text=(f"GPT-2 ({n_full / 1e6:.0f}M params), LoRA r=8 on attn.c_attn+attn.c_proj: trainable "
+              f"{n_lora:,} vs {n_full:,}, AdamW state {opt_lora / 2**20:.1f} MiB vs {opt_full / 2**20:.0f} MiB "
+              f"({opt_saving:.1%} less); but weights+grads+AdamW only {static_saving:.0%} less (the frozen weights "
+              f"stay), and on the tiny GPT saved activations {act_saving:.0%} less and a forward+backward takes "
+              f"{time_ratio:.2f}× the full fine-tune's time (backward still runs through every layer). The "
+              f"snippet's all-zero A and B: after {zero_steps} AdamW steps max |A|,|B| = {zero_largest:g}, loss "
+              f"spread {zero_spread:g} — it never learns"),
+        device=claims.here(), verdict=verdict)

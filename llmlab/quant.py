@@ -1,0 +1,385 @@
+"""Quantization-aware training (QAT): train in float while every Linear sees its inputs and weights rounded
+to a b-bit integer grid, so the model learns to live with the rounding.
+
+The course text's API, made real::
+
+    from llmlab.quant import LSQQuantizer, MinMaxQuantizer, QConfig, quantize_model
+    model = quantize_model(model, quant_config=QConfig(activation=MinMaxQuantizer(bits=8),
+                                                       weight=LSQQuantizer(bits=4)))   # W4A8
+
+A quantizer maps v to v̂ = s·(clamp(round(v/s) + z, q_min, q_max) − z): the integer grid [q_min, q_max] with
+step (scale) s and zero point z (Jacob et al. 2018, "Quantization and Training of Neural Networks for
+Efficient Integer-Arithmetic-Only Inference", eq. 1: r = S(q − Z)). Rounding has zero gradient almost
+everywhere, so training passes gradients *straight through* it (the STE, Bengio et al. 2013): 1 where the
+value lands on the grid, 0 where it was clipped. The quantizers differ in how s is chosen:
+
+- `MinMaxQuantizer` watches the running min and max of what it sees (while training) and spreads the grid
+  over them — PyTorch's MinMaxObserver formulas, so `torch.fake_quantize_per_tensor_affine` agrees with it.
+- `LSQQuantizer` learns s by gradient descent (LSQ, Esser et al. 2020; see `_LSQ`).
+
+Which "inside" counts: like PyTorch, a value is inside when its *rounded* grid index is in range, so the
+half step just past each end (v/s in (Q_P, Q_P + ½)) is inside; LSQ's eq. 3 draws the line at v/s = Q_P.
+The forward values are the same either way; only the gradient on that half-step band differs.
+
+This is *fake* quantization: v̂ is still a float and the matmuls run in float here. What QAT buys is a model
+that keeps its accuracy when later run with real integer kernels — those are what give the speed and memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from llmlab import claims
+
+__all__ = ["MinMaxQuantizer", "LSQQuantizer", "QConfig", "QuantLinear", "quantize_model", "train_losses"]
+
+_EPS = torch.finfo(torch.float32).eps  # the smallest scale allowed, as PyTorch's observers do
+
+
+class _FakeQuantizeSTE(torch.autograd.Function):
+    """v̂ = s·(clamp(round(v/s) + z, q_min, q_max) − z) (Jacob et al. 2018, eq. 1), with the straight-through
+    estimator dv̂/dv = 1 where round(v/s) + z is in [q_min, q_max], else 0 (Bengio et al. 2013)."""
+
+    @staticmethod
+    def forward(ctx, v, scale, zero_point, q_min, q_max):
+        q = torch.round(v * scale.reciprocal()) + zero_point  # the integer grid index, not yet clipped
+        inside = (q >= q_min) & (q <= q_max)
+        ctx.save_for_backward(inside)
+        return ((q.clamp(q_min, q_max) - zero_point) * scale).to(v.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inside,) = ctx.saved_tensors
+        return grad * inside, None, None, None, None
+
+
+class _LSQ(torch.autograd.Function):
+    """LSQ (Esser et al. 2020, "Learned Step Size Quantization", ICLR): v̂ = round(clip(v/s, −Q_N, Q_P))·s
+    (eq. 1-2) and, per element, the step-size gradient of eq. 3 (with PyTorch's boundary, see the module):
+
+        dv̂/ds = round(v/s) − v/s   inside,     −Q_N below,     Q_P above;    dv̂/dv = 1 inside, 0 outside
+
+    summed over the elements sharing a step and multiplied by g = 1/√(N·Q_P) (§2.2), N = those elements'
+    count: the step's gradient adds up N terms, and g keeps its updates in proportion to the step itself, as
+    each weight's are to the weight. (PyTorch's op takes g as its `grad_factor` argument.)"""
+
+    @staticmethod
+    def _grid(v, step, q_min, q_max):
+        inv = step.reciprocal()
+        q = torch.round(v * inv)  # (same shape as v) grid index, not yet clipped
+        inside = (q >= q_min) & (q <= q_max)
+        return inv, q.clamp(q_min, q_max), inside
+
+    @staticmethod
+    def forward(ctx, v, step, q_min, q_max, g):
+        _, q, _ = _LSQ._grid(v, step, q_min, q_max)
+        ctx.save_for_backward(v, step)  # the rest is recomputed in backward: cheaper than keeping it
+        ctx.q_min, ctx.q_max, ctx.g = q_min, q_max, g
+        return (q * step).to(v.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        v, step = ctx.saved_tensors
+        inv, q, inside = _LSQ._grid(v, step, ctx.q_min, ctx.q_max)
+        # Per element, in PyTorch's order of products; its CPU kernel fuses q·s − v into one multiply-add, so
+        # a term can differ from this one by a rounding (~1e-7 relative), and the step's sums as little.
+        per_element = torch.where(inside, grad * (q * step - v) * inv, grad * q) * ctx.g  # (same shape as v)
+        return grad * inside, per_element.sum_to_size(step.shape), None, None, None  # step: sum its elements
+
+
+class _Quantizer(nn.Module):
+    """What both quantizers share: the argument checks, the integer range, and per-channel broadcasting."""
+
+    def __init__(self, bits: int, signed: bool, per_channel: bool, ch_axis: int):
+        super().__init__()
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 16:
+            raise ValueError(f"bits={bits!r} must be an int in [2, 16]")
+        for name, value in (("signed", signed), ("per_channel", per_channel)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be a bool")
+        if isinstance(ch_axis, bool) or not isinstance(ch_axis, int):
+            raise ValueError(f"ch_axis={ch_axis!r} must be an int")
+        self.bits, self.signed, self.per_channel, self.ch_axis = bits, signed, per_channel, ch_axis
+        # Signed: [−2^(b−1), 2^(b−1) − 1] (Q_N = 2^(b−1), Q_P = 2^(b−1) − 1); unsigned: [0, 2^b − 1].
+        self.q_min, self.q_max = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
+
+    def _axis(self, v: torch.Tensor) -> int:
+        if not -v.dim() <= self.ch_axis < v.dim():
+            raise ValueError(f"ch_axis={self.ch_axis} is out of range for a {v.dim()}-D input")
+        return self.ch_axis % v.dim()
+
+    def _broadcastable(self, t: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A (C,) or (1,) statistic viewed with v's number of dims, to broadcast along ch_axis or everywhere."""
+        shape = [1] * v.dim()
+        if self.per_channel:
+            shape[self._axis(v)] = -1
+            if t.numel() != v.shape[self._axis(v)]:
+                raise ValueError(f"v has {v.shape[self._axis(v)]} channels along ch_axis={self.ch_axis}, but "
+                                 f"this quantizer holds {t.numel()}")
+        return t.view(shape)
+
+    def _reduce_dims(self, v: torch.Tensor) -> list[int]:
+        """The dims a statistic is taken over: all of them, or all but the channel axis."""
+        return [d for d in range(v.dim()) if not (self.per_channel and d == self._axis(v))]
+
+    def extra_repr(self) -> str:
+        kind = f"per_channel, ch_axis={self.ch_axis}" if self.per_channel else "per_tensor"
+        return f"bits={self.bits}, signed={self.signed}, {kind}, range=[{self.q_min}, {self.q_max}]"
+
+
+class MinMaxQuantizer(_Quantizer):
+    """Fake-quantize with a grid spread over the running [min, max] seen so far (updated while training,
+    or on the first call). Signed (the default, the API issue 7 fixes): symmetric around 0 (z = 0),
+    s = max|v| / ((q_max − q_min)/2), as PyTorch's qint8 observers; unsigned: affine, with a zero point, as
+    its quint8 observers (e.g. for post-ReLU activations)."""
+
+    def __init__(self, bits: int = 8, signed: bool = True, per_channel: bool = False, ch_axis: int = 0):
+        super().__init__(bits, signed, per_channel, ch_axis)
+        # (C,) per channel once observed; until then empty. Per tensor: (1,), +inf/−inf until observed.
+        start = torch.empty(0) if per_channel else torch.tensor([math.inf])
+        self.register_buffer("min_val", start.clone())
+        self.register_buffer("max_val", -start.clone())
+
+    @property
+    def observed(self) -> bool:
+        return bool(self.min_val.numel()) and bool(torch.isfinite(self.min_val).all())
+
+    @torch.no_grad()
+    def observe(self, v: torch.Tensor) -> None:
+        """Widen the running range to include v (per channel: each channel's own range)."""
+        dims = self._reduce_dims(v)
+        v_min = v.detach().float().amin(dim=dims).reshape(-1)  # (C,) per channel, (1,) per tensor
+        v_max = v.detach().float().amax(dim=dims).reshape(-1)
+        if self.min_val.numel() == 0:  # the first input a per-channel quantizer sees sets its channel count
+            self.min_val, self.max_val = v_min, v_max
+        self._broadcastable(self.min_val, v)  # refuses a different channel count
+        self.min_val = torch.minimum(self.min_val, v_min)
+        self.max_val = torch.maximum(self.max_val, v_max)
+
+    def qparams(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, zero_point) from the observed range, with PyTorch's observer formulas: the range is widened
+        to include 0 (so 0 is exactly representable), and the scale kept ≥ fp32 eps (a constant input)."""
+        if not self.observed:
+            raise RuntimeError("qparams(): this MinMaxQuantizer has not observed any input yet")
+        lo = torch.minimum(self.min_val, torch.zeros_like(self.min_val))
+        hi = torch.maximum(self.max_val, torch.zeros_like(self.max_val))
+        if self.signed:
+            scale = (torch.maximum(-lo, hi) / ((self.q_max - self.q_min) / 2)).clamp(min=_EPS)
+            return scale, torch.zeros_like(scale)
+        scale = ((hi - lo) / float(self.q_max - self.q_min)).clamp(min=_EPS)
+        return scale, (self.q_min - torch.round(lo / scale)).clamp(self.q_min, self.q_max)
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        if self.training or not self.observed:
+            self.observe(v)
+        scale, zero_point = self.qparams()
+        return _FakeQuantizeSTE.apply(v, self._broadcastable(scale, v), self._broadcastable(zero_point, v),
+                                      self.q_min, self.q_max)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name in ("min_val", "max_val"):  # an unobserved per-channel quantizer takes the saved shape
+            if prefix + name in state_dict and getattr(self, name).numel() == 0:
+                setattr(self, name, torch.empty_like(state_dict[prefix + name]))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class LSQQuantizer(_Quantizer):
+    """Fake-quantize with a learned step size (LSQ, see `_LSQ`); the step is the parameter `step`.
+
+    Signed (the default, for weights): [−Q_N, Q_P] = [−2^(b−1), 2^(b−1) − 1]; unsigned (for non-negative
+    activations): [0, 2^b − 1]. The zero point is 0. On the first call `step` is initialised from the data as
+    the paper does, s = 2·mean|v|/√Q_P (per channel: each channel's mean; a per-channel `step` takes its shape
+    then, so build the optimizer after that first call — `QuantLinear` makes it on the layer's weight).
+    """
+
+    def __init__(self, bits: int = 4, signed: bool = True, per_channel: bool = False, ch_axis: int = 0):
+        super().__init__(bits, signed, per_channel, ch_axis)
+        self.step = nn.UninitializedParameter() if per_channel else nn.Parameter(torch.ones(1))  # (C,) or (1,)
+        self.register_buffer("initialized", torch.tensor(False))
+
+    @torch.no_grad()
+    def init_step(self, v: torch.Tensor) -> None:
+        """s = 2·mean|v|/√Q_P (the paper's initialisation), kept ≥ fp32 eps: an all-zero v gets no zero step."""
+        s = (2 * v.detach().float().abs().mean(dim=self._reduce_dims(v)) / math.sqrt(self.q_max)).reshape(-1)
+        if nn.parameter.is_lazy(self.step):
+            self.step.materialize(s.shape)
+        elif self.step.shape != s.shape:
+            raise ValueError(f"v needs a step of shape {tuple(s.shape)}, but step is {tuple(self.step.shape)}")
+        self.step.copy_(s.clamp(min=_EPS))
+        self.initialized.fill_(True)
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        if not self.initialized:
+            self.init_step(v)
+        with torch.no_grad():  # a step pushed to ≤ 0 by an update is put back to eps, as PyTorch does
+            self.step.clamp_(min=_EPS)
+        g = 1.0 / math.sqrt(v.numel() / self.step.numel() * self.q_max)  # N = elements sharing one step
+        return _LSQ.apply(v, self._broadcastable(self.step, v), self.q_min, self.q_max, g)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if prefix + "step" in state_dict and nn.parameter.is_lazy(self.step):  # take the saved shape
+            self.step.materialize(state_dict[prefix + "step"].shape)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+@dataclass(frozen=True)
+class QConfig:
+    """Which quantizer each Linear gets for its input activations and for its weight (None: left in float).
+
+    Each is a *prototype*: `quantize_model` gives every Linear its own deep copy (its own running range or
+    learned step), so `QConfig(activation=MinMaxQuantizer(bits=8), weight=LSQQuantizer(bits=4))` reads as in
+    the course text and no two layers share state.
+    """
+
+    activation: _Quantizer | None = None
+    weight: _Quantizer | None = None
+
+    def __post_init__(self):
+        for name in ("activation", "weight"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, _Quantizer):
+                raise ValueError(f"{name}={value!r} must be a MinMaxQuantizer, an LSQQuantizer or None")
+        if self.activation is not None and self.activation.per_channel:
+            # x·Wᵀ sums over x's features: one scale per feature cannot be pulled out of that integer sum.
+            raise ValueError("activation must be per-tensor: a scale per input feature does not factor out of "
+                             "the sum over features in x @ W.T, so no integer matmul could use it")
+        if self.weight is not None and self.weight.per_channel and self.weight.ch_axis != 0:
+            raise ValueError(f"weight.ch_axis={self.weight.ch_axis}: a Linear's weight is (out, in) and only one "
+                             "scale per output row (ch_axis=0) factors out of the sum over inputs")
+
+
+class QuantLinear(nn.Module):
+    """A Linear whose input activations and weight pass through fake quantizers: F.linear(qa(x), qw(W), b).
+
+    It keeps the original Linear's weight and bias Parameters (so weight tying and names survive) and
+    initialises the weight quantizer on the weight at once, so every parameter exists before the optimizer.
+    """
+
+    def __init__(self, linear: nn.Linear, activation: _Quantizer | None, weight: _Quantizer | None):
+        super().__init__()
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.activation_quant = copy.deepcopy(activation) if activation is not None else nn.Identity()
+        self.weight_quant = copy.deepcopy(weight) if weight is not None else nn.Identity()
+        with torch.no_grad():
+            self.weight_quant(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.activation_quant(x), self.weight_quant(self.weight), self.bias)  # (..., out)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_model(model: nn.Module, quant_config: QConfig) -> nn.Module:
+    """Replace every nn.Linear of `model`, in place, by a QuantLinear with copies of `quant_config`'s
+    quantizers; return the model. Build the optimizer afterwards: the learned steps are new parameters."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(quant_config, QConfig):
+        raise ValueError(f"quant_config must be a QConfig, got {type(quant_config).__name__}")
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not linears or linears == [""]:
+        raise ValueError(f"model ({type(model).__name__}) has no nn.Linear inside it to quantize (a bare Linear: "
+                         "use QuantLinear(linear, activation, weight))")
+    for name in linears:
+        quantized = QuantLinear(model.get_submodule(name), quant_config.activation, quant_config.weight)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, quantized)
+    return model
+
+
+def train_losses(quant_config: QConfig | None, steps: int = 100, seed: int = 0, lr: float = 3e-3,
+                 batch_size: int = 16, block_size: int = 64) -> list[float]:
+    """Train the tiny GPT (quantized with `quant_config`, or in plain fp32 for None) on the order-1 Markov
+    source with AdamW for `steps` steps; the loss of every step. The same seed gives both runs the same
+    initial weights and batches, so the curves differ only by quantization."""
+    from llmlab.data import MarkovSource, SyntheticDataset
+    from llmlab.model import GPT, GPTConfig
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r} must be a positive int")
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig.preset("tiny", block_size=block_size))
+    if quant_config is not None:
+        quantize_model(model, quant_config)
+    data = SyntheticDataset(MarkovSource(vocab_size=64, seed=seed), batch_size=batch_size, block_size=block_size,
+                            seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = model(*data.next_batch())[1]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+# --- claim C21: "train with 4/8-bit integers" ---------------------------------------------------------------
+
+def _lsq_differences_from_torch(seed: int = 0) -> dict[str, float]:
+    """Our LSQ against `torch._fake_quantize_learnable_per_{tensor,channel}_affine` on random weights, the
+    same step and g: the largest |difference| of the output, of dL/dv, and of dL/ds (over the largest |dL/ds|:
+    a channel's sum can cancel to near 0, where a difference relative to itself would mean nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    worst = {"output": 0.0, "grad v": 0.0, "grad step (relative)": 0.0}
+    for per_channel in (False, True):
+        v = torch.randn(96, 80, generator=g)  # (out, in), like a Linear's weight
+        grad = torch.randn(96, 80, generator=g)  # dL/dv̂
+        ours = LSQQuantizer(bits=4, per_channel=per_channel)
+        v_ours = v.clone().requires_grad_(True)
+        ours(v_ours).backward(grad)
+        step = ours.step.detach().clone().requires_grad_(True)
+        v_torch = v.clone().requires_grad_(True)
+        factor = 1.0 / math.sqrt(v.numel() / step.numel() * ours.q_max)
+        zero = torch.zeros(step.numel())
+        if per_channel:
+            out = torch._fake_quantize_learnable_per_channel_affine(v_torch, step, zero, 0, ours.q_min, ours.q_max,
+                                                                    factor)
+        else:
+            out = torch._fake_quantize_learnable_per_tensor_affine(v_torch, step, zero, ours.q_min, ours.q_max,
+                                                                   factor)
+        out.backward(grad)
+        diffs = {"output": (ours(v) - out).abs().max(), "grad v": (v_ours.grad - v_torch.grad).abs().max(),
+                 "grad step (relative)": (ours.step.grad - step.grad).abs().max() / step.grad.abs().max()}
+        worst = {k: max(worst[k], diffs[k].item()) for k in worst}
+    return worst
+
+
+@claims.register("C21", chapter=8)
+def _claim_quantized_training() -> claims.Measurement:
+    from llmlab.data import MarkovSource
+
+    diffs = _lsq_differences_from_torch()
+    if diffs["output"] != 0 or diffs["grad v"] != 0 or diffs["grad step (relative)"] > 1e-4:
+        raise RuntimeError(f"llmlab's LSQ differs from PyTorch's beyond fp32 rounding: {diffs}")  # a bug here
+    w4a8 = QConfig(activation=MinMaxQuantizer(bits=8), weight=LSQQuantizer(bits=4))
+    steps, batch_size, block_size = 100, 8, 64
+    final = lambda losses: sum(losses[-10:]) / 10  # noqa: E731  fresh batches every step: a held-out loss
+    fp32 = final(train_losses(None, steps, batch_size=batch_size, block_size=block_size))
+    quantized = final(train_losses(w4a8, steps, batch_size=batch_size, block_size=block_size))
+    untrained = fp32 - MarkovSource(vocab_size=64, seed=0).best_loss(block_size)  # fp32's own distance to go
+    # Conditions: QAT in float, and W4A8 costs less loss than fp32 itself still has to go; else the 4-bit
+    # training the material promises is not what happened here.
+    verdict = "holds with conditions" if quantized - fp32 < untrained else "misleading"
+    return claims.Measurement(
+        value={"LSQ output max |Δ|": diffs["output"], "LSQ dL/dv max |Δ|": diffs["grad v"],
+               "LSQ dL/ds max relative Δ": diffs["grad step (relative)"], "W4A8 loss": quantized, "fp32 loss": fp32},
+        unit="max |Δ| and nats",
+        text=(f"LSQ vs torch._fake_quantize_learnable_*: output and dL/dv identical (max |Δ| {diffs['output']:g}, "
+              f"{diffs['grad v']:g}), dL/ds within {diffs['grad step (relative)']:.1e} of its largest value "
+              "(fp32 rounding). "
+              f"Tiny GPT, {steps} AdamW steps: W4A8 (LSQ 4-bit weights, MinMax 8-bit activations) loss "
+              f"{quantized:.3f} vs fp32 {fp32:.3f} ({quantized - fp32:+.3f}; fp32 is itself {untrained:.3f} above "
+              "the source's best). This is fake-quantized training (QAT): the matmuls still run in float here — "
+              "real integer kernels are what give the speed"),
+        device=claims.here(), verdict=verdict)
