@@ -86,6 +86,32 @@ PRESETS = {
 }
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: nn.Dropout,
+                     flash: bool = False) -> torch.Tensor:
+    """softmax(q·kᵀ/√hs + causal mask)·v for q, k, v of shape (B, nh, T, hs); returns (B, nh, T, hs).
+
+    Shared by `CausalSelfAttention` and the tensor-parallel attention (which runs it on its share of heads).
+    """
+    if flash:
+        p = dropout.p if dropout.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hs)
+    T, hs = q.shape[-2], q.shape[-1]
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)  # (B, nh, T, T): 2·B·nh·T²·hs FLOPs
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()  # (T, T): row t sees <= t
+    att = att.masked_fill(~causal, float("-inf"))  # (B, nh, T, T)
+    att = F.softmax(att, dim=-1)  # (B, nh, T, T): each row sums to 1
+    att = dropout(att)
+    return att @ v  # (B, nh, T, hs): another 2·B·nh·T²·hs FLOPs
+
+
+def split_heads(qkv: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, T, 3·C') fused projections -> q, k, v each (B, n_head, T, C'/n_head)."""
+    B, T, three_c = qkv.shape
+    c = three_c // 3
+    q, k, v = qkv.split(c, dim=2)  # 3 × (B, T, C')
+    return tuple(t.view(B, T, n_head, c // n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position t attends only to positions <= t."""
 
@@ -93,7 +119,6 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.flash = config.flash
-        self.dropout = config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
@@ -101,22 +126,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        hs = C // self.n_head
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 × (B, T, C)
         # Split C into n_head heads of size hs; each head attends independently.
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        if self.flash:
-            y = F.scaled_dot_product_attention(  # (B, nh, T, hs)
-                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        else:
-            att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)  # (B, nh, T, T): 2·B·nh·T²·hs FLOPs
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()  # (T, T): row t sees <= t
-            att = att.masked_fill(~causal, float("-inf"))  # (B, nh, T, T)
-            att = F.softmax(att, dim=-1)  # (B, nh, T, T): each row sums to 1
-            att = self.attn_dropout(att)
-            y = att @ v  # (B, nh, T, hs): another 2·B·nh·T²·hs FLOPs
+        q, k, v = split_heads(self.c_attn(x), self.n_head)  # 3 × (B, nh, T, hs)
+        y = causal_attention(q, k, v, self.attn_dropout, self.flash)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 

@@ -1,0 +1,234 @@
+"""Tensor parallelism (Megatron-LM; Shoeybi et al. 2019, §3): one layer's matrices split across ranks.
+
+A linear layer Y = X·Aᵀ can be split two ways over N ranks:
+- by output columns (`ColumnParallelLinear`): rank r holds rows r of A (out/N of them) and computes its
+  slice Y_r = X·A_rᵀ of the output. Forward needs the whole X on every rank; backward sums the ranks'
+  contributions to dL/dX.
+- by input rows (`RowParallelLinear`): rank r holds columns r of A (in/N of them), takes its slice X_r of
+  the input and computes a partial Y = Σ_r X_r·A_rᵀ, summed across ranks.
+
+Megatron's MLP puts the two back to back (column-parallel c_fc, GELU on the slices, row-parallel c_proj), so
+the whole MLP needs one all-reduce forward and one backward; attention splits the heads the same way. The
+communication is two conjugate functions (the paper's Figure 3):
+
+    f: forward identity,   backward all-reduce      (`copy_to_parallel`, before a column-parallel layer)
+    g: forward all-reduce, backward identity        (`reduce_from_parallel`, after a row-parallel layer)
+
+so a transformer block costs exactly two all-reduces forward and two backward.
+
+The course text's `ColumnParallelLinear` snippet (§2.2) allocates the full (output_size, input_size) weight,
+never calls `super().__init__()` and has no forward: nothing is split and nothing communicates. Here
+`ColumnParallelLinear.from_linear(linear)` builds a rank's shard from the full layer, so its output and
+gradients can be compared with the layer it came from.
+
+    def block(x):                                   # on every rank of dist.spawn(block, 2, x)
+        layer = ColumnParallelLinear.from_linear(full, gather_output=True)
+        return layer(x)                              # equals full(x) on every rank
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as td
+import torch.nn.functional as F
+
+from llmlab.model import causal_attention, split_heads
+
+__all__ = ["copy_to_parallel", "reduce_from_parallel", "gather_from_parallel", "scatter_to_parallel",
+           "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention", "ParallelBlock"]
+
+
+class _CopyToParallel(torch.autograd.Function):
+    """Megatron's f (Shoeybi et al. 2019, Fig. 3): identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        td.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    """Megatron's g (Shoeybi et al. 2019, Fig. 3): all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        td.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromParallel(torch.autograd.Function):
+    """Concatenate the ranks' slices along the last dimension; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(td.get_world_size(group))]
+        td.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(td.get_world_size(ctx.group), dim=-1)[td.get_rank(ctx.group)].contiguous(), None
+
+
+class _ScatterToParallel(torch.autograd.Function):
+    """Keep this rank's slice of the last dimension; backward gathers the slices' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.chunk(td.get_world_size(group), dim=-1)[td.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _GatherFromParallel.apply(grad, ctx.group), None
+
+
+def copy_to_parallel(x, group=None):
+    return _CopyToParallel.apply(x, group)
+
+
+def reduce_from_parallel(x, group=None):
+    return _ReduceFromParallel.apply(x, group)
+
+
+def gather_from_parallel(x, group=None):
+    return _GatherFromParallel.apply(x, group)
+
+
+def scatter_to_parallel(x, group=None):
+    return _ScatterToParallel.apply(x, group)
+
+
+def _shard_size(name: str, size: int, group) -> int:
+    n = td.get_world_size(group)
+    if size % n:
+        raise ValueError(f"{name}={size} is not divisible by the tensor-parallel world size {n}")
+    return size // n
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """Y = X·Aᵀ + b with A split by output rows: this rank holds (out_features/N, in_features) of it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 group=None):
+        super().__init__()
+        self.group, self.gather_output = group, gather_output
+        self.in_features, self.out_features = in_features, out_features
+        local = _shard_size("out_features", out_features, group)
+        self.weight = torch.nn.Parameter(torch.empty(local, in_features))
+        self.bias = torch.nn.Parameter(torch.zeros(local)) if bias else None
+        torch.nn.init.normal_(self.weight, std=0.02)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, group=None, gather_output: bool = False, rows=None):
+        """This rank's shard of `linear` (`rows`: which output rows it gets; default the r-th block)."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output, group)
+        if rows is None:
+            n = layer.weight.shape[0]
+            rows = torch.arange(td.get_rank(group) * n, (td.get_rank(group) + 1) * n)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[rows])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias[rows])
+        return layer.to(linear.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_parallel(x, self.group)  # (..., in): f — gradients from all ranks are summed backward
+        y = F.linear(x, self.weight, self.bias)  # (..., out/N)
+        return gather_from_parallel(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(torch.nn.Module):
+    """Y = X·Aᵀ + b with A split by input columns: this rank holds (out_features, in_features/N) of it."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
+                 group=None):
+        super().__init__()
+        self.group, self.input_is_parallel = group, input_is_parallel
+        self.in_features, self.out_features = in_features, out_features
+        local = _shard_size("in_features", in_features, group)
+        self.weight = torch.nn.Parameter(torch.empty(out_features, local))
+        self.bias = torch.nn.Parameter(torch.zeros(out_features)) if bias else None  # added once, after the sum
+        torch.nn.init.normal_(self.weight, std=0.02)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, group=None, input_is_parallel: bool = True, cols=None):
+        """This rank's shard of `linear` (`cols`: which input columns it gets; default the r-th block)."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel, group)
+        if cols is None:
+            n = layer.weight.shape[1]
+            cols = torch.arange(td.get_rank(group) * n, (td.get_rank(group) + 1) * n)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[:, cols])
+            if linear.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer.to(linear.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_parallel(x, self.group)  # (..., in/N)
+        y = reduce_from_parallel(F.linear(x, self.weight), self.group)  # (..., out): g — summed over ranks
+        return y + self.bias if self.bias is not None else y
+
+
+class ParallelMLP(torch.nn.Module):
+    """Megatron's MLP: column-parallel c_fc → GELU on this rank's 4C/N slice → row-parallel c_proj."""
+
+    def __init__(self, mlp, group=None):
+        super().__init__()
+        self.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, group)
+        self.c_proj = RowParallelLinear.from_linear(mlp.c_proj, group)
+        self.gelu, self.dropout = copy.deepcopy(mlp.gelu), copy.deepcopy(mlp.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, C); one all-reduce each way
+
+
+class ParallelSelfAttention(torch.nn.Module):
+    """Causal self-attention with this rank's n_head/N heads: qkv column-parallel, c_proj row-parallel."""
+
+    def __init__(self, attn, group=None):
+        super().__init__()
+        n, r = td.get_world_size(group), td.get_rank(group)
+        C = attn.c_attn.in_features
+        _shard_size("n_head", attn.n_head, group)
+        self.n_head, self.flash = attn.n_head // n, attn.flash
+        mine = torch.arange(r * C // n, (r + 1) * C // n)  # this rank's channels of q, k and v alike
+        qkv_rows = torch.cat([mine, C + mine, 2 * C + mine])  # this rank's heads in each of q, k, v
+        self.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, group, rows=qkv_rows)
+        self.c_proj = RowParallelLinear.from_linear(attn.c_proj, group, cols=mine)
+        self.attn_dropout, self.resid_dropout = copy.deepcopy(attn.attn_dropout), copy.deepcopy(attn.resid_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = split_heads(self.c_attn(x), self.n_head)  # 3 × (B, nh/N, T, hs)
+        y = causal_attention(q, k, v, self.attn_dropout, self.flash)  # (B, nh/N, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C/N)
+        return self.resid_dropout(self.c_proj(y))  # (B, T, C)
+
+
+class ParallelBlock(torch.nn.Module):
+    """A transformer block with tensor-parallel attention and MLP; layer norms replicated on every rank."""
+
+    def __init__(self, block, group=None):
+        super().__init__()
+        self.ln_1, self.ln_2 = copy.deepcopy(block.ln_1), copy.deepcopy(block.ln_2)
+        self.attn, self.mlp = ParallelSelfAttention(block.attn, group), ParallelMLP(block.mlp, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+        return x + self.mlp(self.ln_2(x))  # (B, T, C)
