@@ -1,0 +1,280 @@
+"""Widgets for the chapters: sliders in front of pure functions, so exploring is one drag away.
+
+Each widget wraps a pure function that computes everything it shows (tests call those directly), and the
+arithmetic is llmlab's own (`llmlab.flops`, `llmlab.hardware.roofline`); this module only arranges it:
+
+- `training_time_calculator()` — model size, tokens, GPU, GPU count, MFU → FLOPs, days, GPU-hours
+  (the pure function is `training_estimate`);
+- `roofline_explorer()` — a GEMM's shape and element size on a GPU → intensity, ridge point, attainable
+  FLOP/s and whether it is memory- or compute-bound, with the roofline drawn (`gemm_roofline`).
+
+    from llmlab import widgets
+    widgets.training_time_calculator()       # the last line of a cell: the live widget
+    widgets.training_estimate(175e9, 300e9, "A100 SXM", gpus=1000, mfu=0.4)["days"]
+
+A widget is an `ipywidgets.VBox` whose display also carries its default result as static output: a plain-text
+line (and, for the roofline, a PNG of the plot) next to the widget view in the same output. JupyterLab shows the
+live widget; a headless run, nbconvert or a rendered page without widget state shows the static result instead.
+ipywidgets and IPython are imported only when a widget is built, never by `import llmlab`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+
+from llmlab import flops
+from llmlab.hardware import SPECS, roofline
+
+__all__ = ["training_estimate", "format_estimate", "gemm_roofline", "format_roofline", "roofline_figure",
+           "training_time_calculator", "roofline_explorer", "PRECISIONS", "DTYPES"]
+
+SECONDS_PER_HOUR = 3600.0
+
+# the peak a GPU's spec sheet gives for each precision (llmlab.hardware.Spec.peak_flops)
+PRECISIONS = {"bf16 tensor cores (dense)": "bf16", "fp32 SIMT cores": "fp32"}
+# GEMM element types of the roofline explorer: name → (bytes per element, the spec-sheet peak it runs at)
+DTYPES = {"bf16 / fp16 (2 B)": (2, "bf16"), "fp32 (4 B)": (4, "fp32")}
+
+
+# --- the pure functions ----------------------------------------------------------------------------------------
+
+def _spec(gpu: str):
+    if gpu not in SPECS:
+        raise ValueError(f"gpu={gpu!r} is not on the spec sheet; choose from {', '.join(SPECS)}")
+    return SPECS[gpu]
+
+
+def training_estimate(n_params: float, tokens: float, gpu: str, gpus: int, mfu: float,
+                      precision: str = "bf16") -> dict:
+    """Training `n_params` parameters on `tokens` tokens with `gpus` × `gpu` at `mfu` of its `precision` peak.
+
+    Returns a dict: flops (6·N·D), peak_flops (one GPU's), days, gpu_hours, and the inputs.
+    """
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus={gpus!r} must be a positive int")
+    peak = _spec(gpu).peak_flops(precision)
+    total = flops.training_flops(n_params, tokens)
+    days = flops.training_days(total, gpus=gpus, peak_flops=peak, mfu=mfu)
+    return {"n_params": n_params, "tokens": tokens, "gpu": gpu, "gpus": gpus, "mfu": mfu, "precision": precision,
+            "flops": total, "peak_flops": peak, "days": days, "gpu_hours": days * flops.SECONDS_PER_DAY
+            / SECONDS_PER_HOUR * gpus}
+
+
+def _si(x: float, unit: str = "") -> str:
+    """3 significant digits with an SI prefix: 1.75e11 → '175 G'."""
+    if x == 0:
+        return f"0 {unit}".rstrip()
+    exp = max(-4, min(8, int(math.floor(math.log10(abs(x)) / 3))))
+    prefix = {-4: "p", -3: "n", -2: "µ", -1: "m", 0: "", 1: "k", 2: "M", 3: "G", 4: "T", 5: "P", 6: "E", 7: "Z",
+              8: "Y"}[exp]
+    return f"{x / 10 ** (3 * exp):.3g} {prefix}{unit}".rstrip()
+
+
+def _count(x: float) -> str:
+    """A large count the way model cards write it: 175e9 → '175B', 1.4e12 → '1.4T'."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{suffix}"
+    return f"{x:.3g}"
+
+
+def format_estimate(est: dict) -> str:
+    """One line saying what `training_estimate` found; it always contains the word 'days'."""
+    years = f" ≈ {est['days'] / 365.25:.1f} years" if est["days"] >= 365.25 else ""
+    return (f"{_count(est['n_params'])} params × {_count(est['tokens'])} tokens: 6·N·D = {est['flops']:.3g} FLOP → "
+            f"{est['days']:,.1f} days{years} on {est['gpus']:,} × {est['gpu']} at {est['mfu']:.0%} MFU of "
+            f"{est['peak_flops'] / 1e12:,.0f} TFLOP/s {est['precision']} = {est['gpu_hours']:,.0f} GPU-hours")
+
+
+def gemm_roofline(m: int, n: int, k: int, bytes_per_element: int, peak_flops: float, bandwidth: float) -> dict:
+    """Where the GEMM (m, k) @ (k, n) sits on the roofline of a device with `peak_flops` and `bandwidth` (B/s).
+
+    Returns a dict: flops, bytes (the least traffic: A and B read once, C written once), intensity (FLOP/B),
+    ridge (FLOP/B), attainable (FLOP/s), bound ('memory' or 'compute'), seconds (the least time: FLOPs at the
+    attainable rate), and the inputs.
+    """
+    intensity = roofline.gemm_intensity(m, n, k, bytes_per_element)
+    attainable = roofline.attainable(intensity, peak_flops, bandwidth)
+    work = roofline.gemm_flops(m, n, k)
+    return {"m": m, "n": n, "k": k, "bytes_per_element": bytes_per_element, "peak_flops": peak_flops,
+            "bandwidth": bandwidth, "flops": work, "bytes": roofline.gemm_bytes(m, n, k, bytes_per_element),
+            "intensity": intensity, "ridge": roofline.ridge_point(peak_flops, bandwidth), "attainable": attainable,
+            "bound": roofline.bound(intensity, peak_flops, bandwidth), "seconds": work / attainable}
+
+
+def format_roofline(r: dict, device: str = "") -> str:
+    """One line saying what `gemm_roofline` found; it contains 'memory-bound' or 'compute-bound'."""
+    on = f" on {device}" if device else ""
+    return (f"({r['m']}×{r['k']}) @ ({r['k']}×{r['n']}), {r['bytes_per_element']} B/element: "
+            f"{_si(r['flops'], 'FLOP')} over {_si(r['bytes'], 'B')} → intensity {r['intensity']:.3g} FLOP/B; "
+            f"ridge {r['ridge']:.3g} FLOP/B{on} → {r['bound']}-bound, attainable "
+            f"{_si(r['attainable'], 'FLOP/s')} of {_si(r['peak_flops'], 'FLOP/s')} peak, "
+            f"at least {_si(r['seconds'], 's')}")
+
+
+def roofline_figure(r: dict, device: str):
+    """A matplotlib Figure (not attached to pyplot) of `device`'s roof with the GEMM `r` placed on it."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 3.8))  # fixed margins: a layout engine would double the drawing time
+    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.14, top=0.9)
+    ax = fig.add_subplot()
+    point = roofline.Point(f"{r['m']}×{r['k']} @ {r['k']}×{r['n']}", r["m"], r["n"], r["k"], r["bytes_per_element"])
+    lo = min(0.1, r["intensity"] / 3)
+    hi = max(1e4, r["intensity"] * 3, r["ridge"] * 10)
+    roofline.plot({device: (r["peak_flops"], r["bandwidth"])}, [point], ax=ax, i_range=(lo, hi))
+    ax.plot(r["intensity"], r["attainable"], "o", ms=8, color="C3", label=f"attainable: {r['bound']}-bound")
+    ax.legend(fontsize=7, loc="upper left")
+    bottom = ax.get_ylim()[0]
+    for label in ax.texts:  # roofline.plot places its labels at the bottom of the axes before they turn logarithmic
+        label.xy = label.xyann = (label.xy[0], bottom)
+    return fig
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    return buf.getvalue()
+
+
+# --- the widgets --------------------------------------------------------------------------------------------
+
+def _box_class():
+    """A VBox whose display carries a static fallback (plain text, optionally a PNG) next to the widget view."""
+    import ipywidgets
+
+    class Explorer(ipywidgets.VBox):
+        def _static(self) -> dict:  # set by the builder: mimetype -> data of the current result
+            return {}
+
+        def _repr_mimebundle_(self, **kwargs):
+            data = super()._repr_mimebundle_(**kwargs)
+            data.update(self._static())
+            return data
+
+    return Explorer
+
+
+def training_time_calculator(n_params: float = 175e9, tokens: float = 300e9, gpu: str = "A100 SXM",
+                             gpus: int = 1000, mfu: float = 0.4, precision: str = "bf16"):
+    """A calculator widget: sliders for model size, tokens, GPU count and MFU, dropdowns for GPU and precision.
+
+    Its result (`.result`, an HTML widget) is `format_estimate(training_estimate(...))` of the controls'
+    values, recomputed whenever one moves. `.controls` maps argument names to the control widgets.
+    """
+    import ipywidgets as w
+
+    training_estimate(n_params, tokens, gpu, gpus, mfu, precision)  # refuse bad defaults before building
+    style, layout = {"description_width": "150px"}, w.Layout(width="560px")
+    controls = {
+        "n_params": w.SelectionSlider(options=_choices(n_params, range(7, 13), _count), value=n_params,
+                                      description="model size (params)", style=style, layout=layout),
+        "tokens": w.SelectionSlider(options=_choices(tokens, range(8, 14), _count), value=tokens,
+                                    description="tokens", style=style, layout=layout),
+        "gpu": w.Dropdown(options=list(SPECS), value=gpu, description="GPU", style=style, layout=layout),
+        "precision": w.Dropdown(options=PRECISIONS, value=precision, description="peak", style=style,
+                                layout=layout),
+        "gpus": w.IntSlider(value=gpus, min=1, max=16384, step=1, description="GPUs", style=style, layout=layout),
+        "mfu": w.FloatSlider(value=mfu, min=0.01, max=1.0, step=0.01, readout_format=".2f", description="MFU",
+                             style=style, layout=layout),
+    }
+    result = w.HTML()
+
+    def values() -> dict:
+        return {name: c.value for name, c in controls.items()}
+
+    def text() -> str:
+        try:
+            return format_estimate(training_estimate(**values()))
+        except ValueError as e:  # e.g. fp32 on a spec without that figure: say so instead of raising
+            return f"cannot estimate: {e} (days unknown)"
+
+    def update(change=None) -> None:
+        result.value = f"<b>{text()}</b>"
+
+    for c in controls.values():
+        c.observe(update, names="value")
+    update()
+    box = _box_class()([*controls.values(), result])
+    box.controls, box.result, box.estimate = controls, result, lambda: training_estimate(**values())
+    box._static = lambda: {"text/plain": text()}
+    return box
+
+
+def _choices(default, exponents, label, mantissas=(1, 2, 5), base=10) -> list[tuple[str, float]]:
+    """Slider stops m·base^e (a log scale of round numbers) with `default` among them, as (label, value) pairs.
+
+    A selection slider holds exactly these values: a log slider would snap 175e9 to its own grid as soon as the
+    browser renders it, and the result shown would no longer be the default's.
+    """
+    values = {m * base**e for e in exponents for m in mantissas} | {default}
+    return [(label(v), v) for v in sorted(values)]
+
+
+def _size_slider(value: int, description: str):
+    """m, n or k: 1, 1.5, 2, 3, 4, 6, 8, … 65536 (powers of 2 and 1.5× them), plus `value`."""
+    import ipywidgets as w
+
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{description.split()[0]}={value!r} must be a positive int")
+    options = [(label, int(v)) for label, v in _choices(value, range(0, 17), lambda v: str(int(v)), (1, 1.5), 2)
+               if v == int(v)]
+    return w.SelectionSlider(options=options, value=value, description=description, continuous_update=False,
+                             style={"description_width": "110px"}, layout=w.Layout(width="420px"))
+
+
+def roofline_explorer(m: int = 512, n: int = 2304, k: int = 768, dtype: str = "bf16 / fp16 (2 B)",
+                      gpu: str = "A100 SXM", devices: dict[str, tuple[float, float]] | None = None):
+    """A roofline widget: m, n, k sliders (1, 1.5, 2, 3, 4, 6, … 65536), element type and GPU → the GEMM on that roof.
+
+    The GPUs are the spec sheet's (peak of the element type's precision, HBM bandwidth); `devices` adds more
+    roofs by name → (peak FLOP/s, bandwidth B/s), e.g. this machine measured by `llmlab.hardware.measure()`,
+    used for every element type. `.result` (HTML) holds `format_roofline(...)`, `.plot` (an Image widget) the
+    figure; `.controls` maps argument names to the controls.
+    """
+    import ipywidgets as w
+
+    extra = dict(devices or {})
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}; choose from {list(DTYPES)}")
+    names = list(SPECS) + [name for name in extra if name not in SPECS]
+    if gpu not in names:
+        raise ValueError(f"gpu={gpu!r}; choose from {names}")
+
+    def roof(device: str, precision: str) -> tuple[float, float]:
+        if device in extra:
+            return extra[device]
+        spec = SPECS[device]
+        return spec.peak_flops(precision), spec.hbm_gbs * 1e9
+
+    controls = {"m": _size_slider(m, "m (rows of A)"), "n": _size_slider(n, "n (cols of B)"),
+                "k": _size_slider(k, "k (inner)"),
+                "dtype": w.Dropdown(options=list(DTYPES), value=dtype, description="dtype"),
+                "gpu": w.Dropdown(options=names, value=gpu, description="GPU")}
+    result, plot = w.HTML(), w.Image(format="png")
+
+    def current() -> tuple[dict, str]:
+        v = {name: c.value for name, c in controls.items()}
+        nbytes, precision = DTYPES[v["dtype"]]
+        peak, bandwidth = roof(v["gpu"], precision)
+        return gemm_roofline(v["m"], v["n"], v["k"], nbytes, peak, bandwidth), v["gpu"]
+
+    state = {}
+
+    def update(change=None) -> None:
+        r, device = current()
+        state["text"] = format_roofline(r, device)
+        state["png"] = _png(roofline_figure(r, device))
+        result.value = f"<b>{state['text']}</b>"
+        plot.value = state["png"]
+
+    for c in controls.values():
+        c.observe(update, names="value")
+    update()
+    box = _box_class()([w.HBox([w.VBox([controls[d] for d in "mnk"]), w.VBox([controls["dtype"], controls["gpu"]])]),
+                        result, plot])
+    box.controls, box.result, box.plot, box.roofline = controls, result, plot, lambda: current()[0]
+    box._static = lambda: {"text/plain": state["text"], "image/png": base64.b64encode(state["png"]).decode()}
+    return box
