@@ -30,6 +30,8 @@ BENCHES: dict[str, str] = {
     "gemm": "llmlab.kernels.gemm:bench",
     "quant": "llmlab.kernels.quantize:bench",
     "precision": "llmlab.precision:bench",
+    "checkpoint": "llmlab.memory.checkpoint:bench",
+    "compress": "llmlab.memory.compress:bench",
 }
 
 
@@ -147,3 +149,40 @@ def run(name: str, json_path: str | Path | None = None) -> int:
         path.write_text(json.dumps(rec, indent=2) + "\n")
         print(f"wrote {path}")
     return 0
+
+
+# --- the README's results tables, made from committed records -------------------------------------------------
+
+RESULTS_BEGIN, RESULTS_END = "<!-- results:begin (llmlab results) -->", "<!-- results:end -->"
+
+
+def markdown_table(rec: dict) -> str:
+    """One bench record as a README section: where and with what it ran, then its rows."""
+    rows = rec["results"]
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    lines = [f"**{rec['bench']}** — {rec['device']} ({rec['tier']} tier, Triton {rec['triton']}, "
+             f"torch {rec['versions']['torch']}), {rec['created']}", "",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def results_section(records_dir: str | Path) -> str:
+    """Every record in `records_dir` (*.json, by name) as markdown, between the README's markers."""
+    records = [json.loads(p.read_text()) for p in sorted(Path(records_dir).glob("*.json"))]
+    body = "\n\n".join(markdown_table(r) for r in records) or "(no recorded runs yet)"
+    return f"{RESULTS_BEGIN}\n{body}\n{RESULTS_END}"
+
+
+def sync_readme(readme: str | Path, records_dir: str | Path, check: bool = False) -> bool:
+    """Rewrite the README's results section from the records; with `check`, only say whether it is current."""
+    path = Path(readme)
+    text = path.read_text()
+    if RESULTS_BEGIN not in text or RESULTS_END not in text:
+        raise ValueError(f"{path} has no results section (the lines {RESULTS_BEGIN!r} … {RESULTS_END!r})")
+    head, rest = text.split(RESULTS_BEGIN, 1)
+    new = head + results_section(records_dir) + rest.split(RESULTS_END, 1)[1]
+    if check:
+        return new == text
+    path.write_text(new)
+    return True

@@ -5,6 +5,7 @@
     llmlab exercises check             fail when exercises/ is stale
     llmlab grade NOTEBOOK [--json]     execute a learner's notebook and report each exercise
     llmlab bench NAME [--json PATH]    run a benchmark (see `llmlab bench --help`)
+    llmlab results [--check]           write README's results tables from results/*.json
 """
 
 from __future__ import annotations
@@ -52,6 +53,20 @@ def _bench(args) -> int:
     return run(args.name, json_path=args.json)
 
 
+def _results(args) -> int:
+    from llmlab.bench import sync_readme
+
+    if args.check:
+        if sync_readme(args.readme, args.records, check=True):
+            print(f"{args.readme}'s results tables match {args.records}/")
+            return 0
+        print(f"{args.readme}'s results tables differ from {args.records}/: run `llmlab results`", file=sys.stderr)
+        return 1
+    sync_readme(args.readme, args.records)
+    print(f"wrote the results tables of {args.readme} from {args.records}/")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmlab", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -73,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("name")
     be.add_argument("--json", default=None, help="also write the JSON record to this path")
     be.set_defaults(func=_bench)
+
+    re_ = sub.add_parser("results", help="write README's results tables from the recorded bench runs")
+    re_.add_argument("--check", action="store_true", help="only check that README matches the records")
+    re_.add_argument("--readme", default="README.md")
+    re_.add_argument("--records", default="results", help="folder of bench JSON records")
+    re_.set_defaults(func=_results)
     return parser
 
 
