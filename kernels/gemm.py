@@ -106,6 +106,15 @@ def _matmul_kernel(
     tl.store(c_ptrs, c, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+def program_tile(pid: int, num_pid_m: int, num_pid_n: int, group_m: int) -> tuple[int, int]:
+    """The (tile row, tile column) of C that program `pid` computes: the kernel's grouped ordering, the same
+    arithmetic in Python (for figures and for the chapter's walk-through). group_m = 1 is row-major."""
+    num_pid_in_group = group_m * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * group_m
+    group_size_m = min(num_pid_m - first_pid_m, group_m)
+    return first_pid_m + (pid % num_pid_in_group) % group_size_m, (pid % num_pid_in_group) // group_size_m
+
+
 def _check(a, b, bias, activation):
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):

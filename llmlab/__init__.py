@@ -7,14 +7,13 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = {"runtime", "dist", "model", "data", "exercises", "claims", "hardware", "doctor", "kernels"}
-
-
 def __getattr__(name):
-    if name in _SUBMODULES:
+    """`llmlab.widgets`, `llmlab.flops`, …: any submodule, imported on first use."""
+    if name.startswith("_"):
+        raise AttributeError(name)
+    try:
         return importlib.import_module(f"llmlab.{name}")
-    raise AttributeError(f"module 'llmlab' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | _SUBMODULES)
+    except ModuleNotFoundError as e:
+        if e.name != f"llmlab.{name}":
+            raise
+        raise AttributeError(f"module 'llmlab' has no attribute {name!r}") from None

@@ -127,9 +127,6 @@ def roofline_figure(r: dict, device: str):
     roofline.plot({device: (r["peak_flops"], r["bandwidth"])}, [point], ax=ax, i_range=(lo, hi))
     ax.plot(r["intensity"], r["attainable"], "o", ms=8, color="C3", label=f"attainable: {r['bound']}-bound")
     ax.legend(fontsize=7, loc="upper left")
-    bottom = ax.get_ylim()[0]
-    for label in ax.texts:  # roofline.plot places its labels at the bottom of the axes before they turn logarithmic
-        label.xy = label.xyann = (label.xy[0], bottom)
     return fig
 
 

@@ -96,3 +96,11 @@ def test_bench_reports_both_implementations():
     (row,) = gemm.bench(sizes=[16], dtypes=[torch.float32])
     assert row["size"] == 16 and row["impl_TFLOP/s"] > 0 and row["peer_TFLOP/s"] > 0
     assert row["impl_TFLOP/s"] / row["peer_TFLOP/s"] == pytest.approx(1 / row["ratio"])
+
+
+@pytest.mark.parametrize("num_pid_m,num_pid_n,group_m", [(8, 8, 4), (5, 3, 4), (1, 7, 8), (6, 2, 1)])
+def test_program_tile_covers_every_tile_once(num_pid_m, num_pid_n, group_m):
+    tiles = [gemm.program_tile(pid, num_pid_m, num_pid_n, group_m) for pid in range(num_pid_m * num_pid_n)]
+    assert sorted(tiles) == [(m, n) for m in range(num_pid_m) for n in range(num_pid_n)]
+    if group_m == 1:
+        assert tiles == [(m, n) for m in range(num_pid_m) for n in range(num_pid_n)]  # row-major

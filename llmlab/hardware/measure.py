@@ -91,7 +91,8 @@ def _matmul(n: int, device):
 
 
 def _matmul_flops(device, budget: float) -> tuple[float, int]:
-    """FLOP/s of an n×n fp32 matmul, n doubled from 256 until one product takes a tenth of the budget.
+    """FLOP/s of an n×n fp32 matmul, n doubled from 1024 (2048 on a GPU) until one product takes a tenth of the
+    budget.
 
     Small matrices under-fill the machine (threads, cores, SMs idle), so n grows until a product is long
     enough to time reliably, or to the largest size a small machine's memory holds. On a GPU this is true
@@ -100,7 +101,9 @@ def _matmul_flops(device, budget: float) -> tuple[float, int]:
     from llmlab.bench import median_seconds
 
     started = time.perf_counter()
-    n, n_max = 256, (16384 if device.type == "cuda" else 4096)
+    # start where the machine is already well filled: a slow first run (a busy machine) must not stop the
+    # search at a size that measures overheads rather than arithmetic
+    n, n_max = (2048, 16384) if device.type == "cuda" else (1024, 4096)
     while True:
         product = _matmul(n, device)
         one = median_seconds(product, device=device, repeats=1, warmup=1)

@@ -106,8 +106,8 @@ def model_gemms(config, tokens: int, bytes_per_element: int = 2) -> list[Point]:
 def plot(devices: dict[str, tuple[float, float]], points: list[Point] = (), ax=None, i_range=(0.1, 1e4)):
     """Draw each device's roof (name → (peak FLOP/s, bandwidth B/s)) on log-log axes, with GEMM points.
 
-    A point with `measured_flops` is drawn filled at that height; otherwise hollow on the x-axis line of
-    its intensity (where the roofs above it say what it could reach).
+    A point with `measured_flops` is drawn at that height; one without is a dotted line at its intensity,
+    labelled at the bottom (the roofs above it say what it could reach).
     """
     import matplotlib.pyplot as plt
     import numpy as np
@@ -117,14 +117,16 @@ def plot(devices: dict[str, tuple[float, float]], points: list[Point] = (), ax=N
     xs = np.logspace(np.log10(i_range[0]), np.log10(i_range[1]), 200)
     for name, (peak, bw) in devices.items():
         ax.plot(xs, np.minimum(peak, xs * bw), label=f"{name} (ridge {ridge_point(peak, bw):.0f} FLOP/B)")
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)", ylabel="FLOP/s",
+           title="roofline: attainable = min(peak, intensity × bandwidth)")
     for p in points:
         ax.axvline(p.intensity, color="grey", lw=0.6, ls=":")
         if p.measured_flops is not None:
             ax.plot(p.intensity, p.measured_flops, "o", ms=7, label=f"{p.label}: measured")
-        else:
-            ax.annotate(p.label, (p.intensity, ax.get_ylim()[0]), rotation=90, fontsize=7, va="bottom")
-    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)", ylabel="FLOP/s",
-           title="roofline: attainable = min(peak, intensity × bandwidth)")
+    bottom = ax.get_ylim()[0]  # read once the axes are logarithmic and every roof and point is drawn
+    for p in points:
+        if p.measured_flops is None:
+            ax.annotate(p.label, (p.intensity, bottom), rotation=90, fontsize=7, va="bottom")
     ax.legend(fontsize=7)
     return ax
 
