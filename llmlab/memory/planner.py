@@ -1,0 +1,276 @@
+"""The memory model of a training configuration: how many bytes each GPU holds, and why.
+
+Two parts, both per GPU:
+
+**Model state** (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", §3.1 and §5). For Ψ parameters trained with Adam in mixed precision: fp16/bf16 parameters 2Ψ,
+fp16/bf16 gradients 2Ψ, and the optimizer's K·Ψ = 12Ψ (an fp32 master copy 4Ψ, momentum 4Ψ, variance 4Ψ):
+16Ψ in all. In fp32: parameters 4Ψ, gradients 4Ψ, moments 8Ψ (no master copy). ZeRO shards these over the
+N data-parallel ranks:
+
+    stage 0 (plain data parallel)   2Ψ + 2Ψ + 12Ψ         = 16Ψ
+    stage 1 (optimizer state)       2Ψ + 2Ψ + 12Ψ/N       = 4Ψ + 12Ψ/N
+    stage 2 (+ gradients)           2Ψ + (2Ψ + 12Ψ)/N     = 2Ψ + 14Ψ/N
+    stage 3 (+ parameters)          (2Ψ + 2Ψ + 12Ψ)/N     = 16Ψ/N
+
+(The paper's Figure 1: Ψ = 7.5B, N = 64 gives 120 / 31.4 / 16.6 / 1.9 GB.) Tensor and pipeline parallelism
+split the parameters first: each GPU holds about Ψ/(t·p) of them (embeddings are not split evenly; ignored).
+
+**Activations**: what autograd saves for backward, counted op by op from llmlab.model's GPT (the same count
+as Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §4: 34·sbh +
+5·as²b bytes per layer in 16 bits, here for any dtype). `block_terms` lists each term of one block, `model_terms`
+the embedding and head; `activation_bytes` sums them; with checkpointing each block keeps only its input
+(plus, transiently, one block's activations during its recompute).
+
+    from llmlab.memory import planner
+    planner.model_state_bytes(7.5e9, stage=1, world_size=64) / 1e9       # 31.4 (GB per GPU)
+    p = planner.plan(GPTConfig.preset("gpt2"), batch_size=8, stage=2, data=8, checkpointing=True)
+    p.breakdown(), p.total, p.fits(80e9)
+
+Not modelled: temporaries of the backward pass (activation gradients live one layer at a time), the
+allocator's fragmentation and caching, communication buffers, and the CUDA context (≈ 0.5 GB).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from llmlab import claims
+from llmlab.model import GPTConfig
+
+__all__ = ["OPTIMIZER_STATES", "PRECISIONS", "ZERO_PAPER_EXAMPLE", "state_bytes_per_param", "model_state_bytes",
+           "num_params", "block_terms", "model_terms", "activation_bytes", "Plan", "plan"]
+
+# fp32 buffers an optimizer keeps per parameter: Adam(W) two moments, SGD with momentum one, plain SGD none.
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "momentum": 1, "sgd": 0}
+PRECISIONS = ("mixed", "fp32")
+
+# The ZeRO paper's Figure 1: a 7.5B-parameter model on 64 GPUs, per-GPU model state in GB for stages 0–3.
+ZERO_PAPER_EXAMPLE = {"num_params": 7.5e9, "world_size": 64, "gb": (120.0, 31.4, 16.6, 1.9)}
+
+
+def _int_at_least(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low}")
+
+
+def state_bytes_per_param(optimizer: str = "adam", precision: str = "mixed") -> dict[str, int]:
+    """Bytes per parameter of {"params", "grads", "optimizer_state"} before any sharding."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer={optimizer!r} unknown; choose from {list(OPTIMIZER_STATES)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} unknown; choose from {list(PRECISIONS)}")
+    moments = 4 * OPTIMIZER_STATES[optimizer]
+    if precision == "mixed":  # 16-bit weights and gradients; the optimizer holds fp32 masters + moments
+        return {"params": 2, "grads": 2, "optimizer_state": 4 + moments}
+    return {"params": 4, "grads": 4, "optimizer_state": moments}
+
+
+def _sharded(num_params: float, stage: int, world_size: int, optimizer: str, precision: str) -> dict[str, float]:
+    if isinstance(num_params, bool) or not isinstance(num_params, int | float) or not num_params >= 0:
+        raise ValueError(f"num_params={num_params!r} must be a number >= 0")
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage!r} must be a ZeRO stage: 0 (plain data parallel), 1, 2 or 3")
+    _int_at_least("world_size", world_size, 1)
+    per = state_bytes_per_param(optimizer, precision)
+    sharded = {"optimizer_state": stage >= 1, "grads": stage >= 2, "params": stage >= 3}
+    return {k: num_params * b / (world_size if sharded[k] else 1) for k, b in per.items()}
+
+
+def model_state_bytes(num_params: float, stage: int, world_size: int, optimizer: str = "adam",
+                      precision: str = "mixed") -> float:
+    """Bytes per GPU of parameters + gradients + optimizer state for `num_params` parameters under ZeRO
+    `stage` (0 = plain data parallel) over `world_size` data-parallel ranks. Adam's step counters (one per
+    parameter tensor, not per parameter) are left out."""
+    return sum(_sharded(num_params, stage, world_size, optimizer, precision).values())
+
+
+def num_params(config: GPTConfig) -> int:
+    """Parameters of llmlab.model's GPT, all of them (position embeddings in; lm_head tied to wte).
+    Per block: ln_1, ln_2 2C each (C without bias), c_attn 3C² + 3C, c_proj C² + C, c_fc 4C² + 4C,
+    mlp.c_proj 4C² + C: 12C² + 13C with biases, 12C² + 2C without."""
+    C, b = config.n_embd, config.bias
+    block = 12 * C * C + (13 * C if b else 2 * C)
+    return config.vocab_size * C + config.block_size * C + config.n_layer * block + (2 * C if b else C)
+
+
+def _check_activation_args(config, batch_size, seq_len, dtype_bytes, tensor, mask_bytes) -> int:
+    if not isinstance(config, GPTConfig):
+        raise ValueError(f"config={config!r} must be a GPTConfig (e.g. GPTConfig.preset('tiny'))")
+    _int_at_least("batch_size", batch_size, 1)
+    T = config.block_size if seq_len is None else seq_len
+    _int_at_least("seq_len", T, 1)
+    if T > config.block_size:
+        raise ValueError(f"seq_len={T} > block_size={config.block_size}")
+    for name, v in (("dtype_bytes", dtype_bytes), ("mask_bytes", mask_bytes)):
+        _int_at_least(name, v, 1)
+    _int_at_least("tensor", tensor, 1)
+    if config.n_head % tensor:
+        raise ValueError(f"tensor={tensor} does not divide n_head={config.n_head}")
+    return T
+
+
+def block_terms(config: GPTConfig, batch_size: int, seq_len: int | None = None, dtype_bytes: int = 4,
+                tensor: int = 1, mask_bytes: int = 1) -> dict[str, int]:
+    """Bytes one transformer block saves for backward, term by term, on one of `tensor` ranks.
+
+    B = batch_size, T = seq_len (default block_size), C = n_embd, h = n_head, d = dtype_bytes. Terms split by
+    Megatron tensor parallelism (heads and the 4C hidden units are spread over the t ranks) are divided by t;
+    LayerNorms, the inputs of c_attn and c_fc, and the residual dropout masks are replicated. `mask_bytes` is
+    a dropout mask's bytes per element: 1 on CUDA (a bool mask), d on CPU (PyTorch saves a float mask there).
+    The LayerNorms' mean and 1/std (B·T each) are in d here; CUDA keeps them in fp32 for half inputs.
+    """
+    T = _check_activation_args(config, batch_size, seq_len, dtype_bytes, tensor, mask_bytes)
+    B, C, h, d, t, m = batch_size, config.n_embd, config.n_head, dtype_bytes, tensor, mask_bytes
+    BTC, drop = B * T * C, config.dropout > 0
+    terms = {
+        "ln_1 input + mean, 1/std": BTC * d + 2 * B * T * d,
+        "c_attn input": BTC * d,
+    }
+    if config.flash:  # the fused kernel keeps q, k, v (views of c_attn's output), its output, logsumexp
+        terms["q, k, v (c_attn output)"] = 3 * BTC * d // t
+        terms["logsumexp (fp32)"] = B * h * T * 4 // t
+        # The kernel writes its output laid out as (B, T, h, hs): transpose + contiguous is free, and the
+        # tensor it saves is c_proj's input too.
+        terms["attention output = attn c_proj input"] = BTC * d // t
+    else:
+        terms["q, k (for q @ kᵀ)"] = 2 * BTC * d // t
+        terms["causal mask (bool)"] = T * T
+        terms["softmax output"] = B * h * T * T * d // t
+        if drop:
+            terms["attention dropout mask + dropped weights"] = B * h * T * T * (m + d) // t
+        terms["v (for att @ v)"] = BTC * d // t
+        terms["attn c_proj input"] = BTC * d // t
+    if drop:
+        terms["attn residual dropout mask"] = BTC * m
+    terms["ln_2 input + mean, 1/std"] = BTC * d + 2 * B * T * d
+    terms["c_fc input"] = BTC * d
+    terms["GELU input (B·T·4C)"] = 4 * BTC * d // t
+    terms["mlp c_proj input (B·T·4C)"] = 4 * BTC * d // t
+    if drop:
+        terms["mlp residual dropout mask"] = BTC * m
+    return terms
+
+
+def model_terms(config: GPTConfig, batch_size: int, seq_len: int | None = None, dtype_bytes: int = 4,
+                mask_bytes: int = 1) -> dict[str, dict[str, int]]:
+    """What the GPT saves outside its blocks: {"embedding": {...}, "head": {...}} (pipeline stage 0 holds the
+    first, the last stage the second). Token ids are int64 (8 bytes); the loss's log-softmax is B·T·V."""
+    T = _check_activation_args(config, batch_size, seq_len, dtype_bytes, 1, mask_bytes)
+    B, C, V, d = batch_size, config.n_embd, config.vocab_size, dtype_bytes
+    embedding = {"token and position ids": B * T * 8 + T * 8}
+    if config.dropout > 0:
+        embedding["embedding dropout mask"] = B * T * C * mask_bytes
+    head = {"ln_f input + mean, 1/std": B * T * C * d + 2 * B * T * d, "lm_head input": B * T * C * d,
+            "log-softmax (B·T·V) + targets + weight sum": B * T * V * d + B * T * 8 + d}
+    return {"embedding": embedding, "head": head}
+
+
+def activation_bytes(config: GPTConfig, batch_size: int, seq_len: int | None = None, checkpointing: bool = False,
+                     dtype_bytes: int = 4, tensor: int = 1, mask_bytes: int = 1) -> int:
+    """Bytes autograd holds after the forward pass of the whole GPT on one batch (one of `tensor` ranks).
+
+    Without checkpointing: n_layer × sum(block_terms) + the embedding and head terms. With every block
+    checkpointed: each block keeps only its input, B·T·C·d (replicated across tensor ranks), instead.
+    """
+    per_block = sum(block_terms(config, batch_size, seq_len, dtype_bytes, tensor, mask_bytes).values())
+    T = config.block_size if seq_len is None else seq_len
+    if checkpointing:
+        per_block = batch_size * T * config.n_embd * dtype_bytes
+    outside = model_terms(config, batch_size, seq_len, dtype_bytes, mask_bytes)
+    return config.n_layer * per_block + sum(v for part in outside.values() for v in part.values())
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Bytes on the busiest GPU of a configuration, by category (see `plan`)."""
+
+    params: float
+    grads: float
+    optimizer_state: float
+    activations: float  # saved for backward, for all micro-batches in flight
+    recompute: float  # with checkpointing: one block's activations, rebuilt during backward
+    logits: float  # the (B, T, V) output the training loop holds until backward
+
+    def breakdown(self) -> dict[str, float]:
+        return asdict(self)
+
+    @property
+    def total(self) -> float:
+        return sum(self.breakdown().values())
+
+    def fits(self, budget_bytes: float) -> bool:
+        """Does the plan fit in `budget_bytes` (e.g. a GPU's memory, minus what the CUDA context takes)?"""
+        if not budget_bytes > 0:
+            raise ValueError(f"budget_bytes={budget_bytes!r} must be > 0")
+        return self.total <= budget_bytes
+
+
+def plan(config: GPTConfig, batch_size: int, seq_len: int | None = None, *, stage: int = 0, data: int = 1,
+         tensor: int = 1, pipeline: int = 1, micro_batches: int | None = None, checkpointing: bool = False,
+         optimizer: str = "adam", precision: str = "mixed", dtype_bytes: int | None = None,
+         mask_bytes: int = 1) -> Plan:
+    """The memory of training `config` with micro-batches of `batch_size`, on the GPU that holds the most.
+
+    data = N ranks for ZeRO `stage`; tensor = t (Megatron), pipeline = p stages run 1F1B over `micro_batches`
+    (default p): stage 0 holds min(p, micro_batches) micro-batches' activations, the last stage one, plus the
+    head and the logits. Activations are in `dtype_bytes` (default 2 for mixed precision, 4 for fp32).
+    """
+    d = dtype_bytes if dtype_bytes is not None else (2 if precision == "mixed" else 4)
+    T = _check_activation_args(config, batch_size, seq_len, d, tensor, mask_bytes)
+    _int_at_least("data", data, 1)
+    _int_at_least("pipeline", pipeline, 1)
+    if pipeline > config.n_layer:
+        raise ValueError(f"pipeline={pipeline} > n_layer={config.n_layer}: a stage needs at least one block")
+    m = pipeline if micro_batches is None else micro_batches
+    _int_at_least("micro_batches", m, 1)
+    state = _sharded(num_params(config) / (tensor * pipeline), stage, data, optimizer, precision)
+    block = sum(block_terms(config, batch_size, T, d, tensor, mask_bytes).values())
+    kept = batch_size * T * config.n_embd * d if checkpointing else block
+    outside = {k: sum(v.values()) for k, v in model_terms(config, batch_size, T, d, mask_bytes).items()}
+    layers = math.ceil(config.n_layer / pipeline)
+    logits = batch_size * T * config.vocab_size * d
+    if pipeline == 1:
+        activations, with_logits = layers * kept + outside["embedding"] + outside["head"], True
+    else:
+        first = min(pipeline, m) * (layers * kept + outside["embedding"])
+        last = layers * kept + outside["head"]
+        activations, with_logits = (first, False) if first >= last + logits else (last, True)
+    return Plan(params=state["params"], grads=state["grads"], optimizer_state=state["optimizer_state"],
+                activations=activations, recompute=block if checkpointing else 0,
+                logits=logits if with_logits else 0)
+
+
+def _measured_tiny_state() -> tuple[int, float]:
+    """(measured, planned) bytes of the tiny GPT's model state after one fp32 AdamW step."""
+    import torch
+
+    from llmlab.memory import measure
+    from llmlab.model import GPT
+
+    config = GPTConfig.preset("tiny")
+    model = GPT(config)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long))[1].backward()
+    opt.step()
+    planned = model_state_bytes(num_params(config), 0, 1, optimizer="adamw", precision="fp32")
+    return measure.model_state_bytes(model, opt).total, planned
+
+
+@claims.register("C10", chapter=3)
+def _claim_zero_figures() -> claims.Measurement:
+    ex = ZERO_PAPER_EXAMPLE
+    planned = [model_state_bytes(ex["num_params"], s, ex["world_size"]) / 1e9 for s in range(4)]
+    # The paper prints one decimal: agreement is |planned - paper| < 0.05 GB for every stage.
+    agrees = all(abs(a - b) < 0.05 for a, b in zip(planned, ex["gb"], strict=True))
+    measured, tiny = _measured_tiny_state()
+    # Measured includes AdamW's step counters (4 bytes per parameter tensor), which the formula leaves out.
+    close = abs(measured / tiny - 1) < 0.01
+    return claims.Measurement(
+        value={**{f"ZeRO-{s}" if s else "DP": g for s, g in enumerate(planned)}, "tiny measured/planned":
+               measured / tiny}, unit="GB per GPU",
+        text=(f"planner for Ψ={ex['num_params'] / 1e9:g}B, N={ex['world_size']}: "
+              + " / ".join(f"{g:.4g}" for g in planned) + " GB (paper: " + " / ".join(f"{g:g}" for g in ex["gb"])
+              + f"); the tiny GPT's fp32 AdamW state measured {measured / tiny - 1:+.2%} vs the formula"),
+        device=claims.here(), verdict="holds" if agrees and close else "wrong")
