@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as td
 
+from llmlab.memory.measure import SavedActivations
+
 __all__ = ["SCHEDULES", "Action", "Event", "Timeline", "schedule", "simulate", "bubble_fraction", "partition",
            "pipeline_step", "plot_timeline"]
 
@@ -201,28 +203,20 @@ def pipeline_step(stage: torch.nn.Module, batch: torch.Tensor | None, target: to
     targets = target.chunk(micro_batches) if last else None
     held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (input, output) kept for backward
     held_bytes: dict[int, int] = {}  # micro-batch -> bytes of activations autograd saved for its backward
-    weights = {p.data_ptr() for p in stage.parameters()}
     pending, events, total_loss = [], [], 0.0
     peak = peak_bytes = 0
     for a in schedule(kind, p, micro_batches)[rank]:
         start = time.perf_counter()
         if a.kind == "F":
             x = inputs[a.micro_batch] if first else _recv(to_global(rank - 1), dtype, group).requires_grad_()
-            saved = [0]
-
-            def count(t, saved=saved):  # autograd keeps t for the backward: activations, not weights
-                if t.data_ptr() not in weights:
-                    saved[0] += t.numel() * t.element_size()
-                return t
-
-            with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+            with SavedActivations() as saved:  # what autograd keeps for this micro-batch's backward
                 y = stage(x)
             if last:
                 y = loss_fn(y, targets[a.micro_batch]) / micro_batches
                 total_loss += y.item()
             else:
                 pending += _send(y.detach(), to_global(rank + 1), group)
-            held[a.micro_batch], held_bytes[a.micro_batch] = (x, y), saved[0]
+            held[a.micro_batch], held_bytes[a.micro_batch] = (x, y), saved.bytes
             peak = max(peak, len(held))
             peak_bytes = max(peak_bytes, sum(held_bytes.values()))
         else:
