@@ -5,6 +5,7 @@ Runs pytest in a subprocess on a scratch project holding a copy of the root conf
 the very configuration `pytest` from the repo root uses (plus pyproject's options, passed explicitly).
 """
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -14,10 +15,13 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_code_cell, new_notebook
 
-import conftest
 from llmlab import runtime
 
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
+# loaded by path: other folders' conftest.py files (tests/browser/) also go by the module name "conftest"
+_spec = importlib.util.spec_from_file_location("llmlab_root_conftest", CONFTEST)
+conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(conftest)
 
 
 def _notebook(path: Path, *sources: str) -> None:
