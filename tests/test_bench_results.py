@@ -31,7 +31,8 @@ def test_sync_and_check(tmp_path):
     (tmp_path / "results" / "gemm.json").write_text(json.dumps(rec))
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n{bench.RESULTS_BEGIN}\nold\n{bench.RESULTS_END}\nend\n")
-    cli = [sys.executable, "-m", "llmlab.cli", "results", "--readme", str(readme), "--records", str(tmp_path / "results")]
+    records = str(tmp_path / "results")
+    cli = [sys.executable, "-m", "llmlab.cli", "results", "--readme", str(readme), "--records", records]
     assert subprocess.run([*cli, "--check"], capture_output=True).returncode == 1
     assert subprocess.run(cli, capture_output=True).returncode == 0
     assert subprocess.run([*cli, "--check"], capture_output=True).returncode == 0

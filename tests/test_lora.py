@@ -10,15 +10,6 @@ from llmlab.lora import LoRALinear, apply_lora, lora_state_dict, trainable_param
 from llmlab.model import GPT, GPTConfig
 
 
-@pytest.fixture
-def one_thread():
-    # Tiny matmuls gain nothing from a second thread, and other processes share the 2 cores (see test_model).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_gpt(seed=0):
     torch.manual_seed(seed)
     return GPT(GPTConfig.preset("tiny"))

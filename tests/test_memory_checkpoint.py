@@ -17,14 +17,6 @@ from llmlab.model import GPT, GPTConfig
 TORCH_NON_REENTRANT = functools.partial(torch_checkpoint, use_reentrant=False)
 
 
-@pytest.fixture
-def one_thread():
-    # Tiny matmuls gain nothing from a second thread, and other processes share the 2 cores (see test_model).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def gpt_run(using=None, autocast=False, dropout=0.1):
     """Loss, parameter gradients, saved bytes and the next random number of one seeded training step of a

@@ -12,14 +12,6 @@ from llmlab.model import GPT, GPTConfig
 G = 128  # the default group size: 8 bytes (fp32 min and step) per 128 codes
 
 
-@pytest.fixture
-def one_thread():
-    # Tiny matmuls gain nothing from a second thread, and other processes share the 2 cores (see test_model).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def half_step(x: torch.Tensor, bits: int, group_size: int = G) -> torch.Tensor:
     """Half the quantization step of each element of x (its group's (max - min) / (2^bits - 1) / 2)."""

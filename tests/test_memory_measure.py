@@ -11,14 +11,6 @@ from llmlab.precision import MixedPrecision
 F32 = 4  # bytes per fp32 element
 
 
-@pytest.fixture
-def one_thread():
-    # Tiny matmuls gain nothing from a second thread, and other processes share the 2 cores (see test_model).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 # --- saved activations ----------------------------------------------------------------------------------------
 

@@ -11,16 +11,6 @@ from llmlab.memory import measure, planner
 from llmlab.memory.checkpoint import checkpointed
 from llmlab.model import GPT, PRESETS, GPTConfig
 
-
-@pytest.fixture
-def one_thread():
-    # Tiny matmuls gain nothing from a second thread, and other processes share the 2 cores (see test_model).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # --- model state ------------------------------------------------------------------------------------------------
 
 def test_zero_paper_figures():

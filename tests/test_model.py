@@ -188,15 +188,6 @@ def test_bad_targets_raise():
         model(idx, torch.zeros(2, 8))
 
 
-@pytest.fixture
-def one_thread():
-    # 64-wide matmuls gain little from a second thread, and when other processes share the 2 cores
-    # (notebooks, other tests) OpenMP's spinning threads made this test 2-5× slower (measured 4 s vs 8-20 s).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def test_tiny_gpt_learns_markov_source(one_thread):
     """The tiny preset, AdamW, 150 steps of 16 × 64 tokens (~3-4 s on one CPU core) on a bigram chain.

@@ -15,14 +15,6 @@ from llmlab.quant import LSQQuantizer, MinMaxQuantizer, QConfig, QuantLinear, qu
 U = 2.0**-24  # fp32 unit roundoff
 
 
-@pytest.fixture
-def one_thread():
-    # Tiny matmuls gain nothing from a second thread, and other processes share the 2 cores (see test_model).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def lsq_vs_torch(v, grad, quantizer):
     """Run our LSQ and PyTorch's learnable fake-quantize op with the same step and g = 1/√(N·Q_P);
