@@ -20,7 +20,10 @@ def assert_gemm_close(c, a, b, bias=None, activation=None):
     k = a.shape[1]
     abs_prod = a.double().abs() @ b.double().abs() + (0 if bias is None else bias.double().abs())
     slope = 1.0 if activation is None else 1.2
-    bound = UNIT_ROUNDOFF[c.dtype] * ref.abs() + slope * (k + 2) * 2.0**-24 * abs_prod + 1e-30
+    u = UNIT_ROUNDOFF[c.dtype]
+    # a result in the output's subnormal range is rounded to a fixed spacing, not a relative one: add half of it
+    subnormal = u * torch.finfo(c.dtype).smallest_normal
+    bound = u * ref.abs() + slope * (k + 2) * 2.0**-24 * abs_prod + subnormal
     err = (c.double() - ref).abs()
     assert not torch.isnan(c).any(), "some element of C was never written (still NaN)"
     worst = (err / bound).max().item() if err.numel() else 0.0

@@ -121,6 +121,20 @@ def _shard_size(name: str, size: int, group) -> int:
     return size // n
 
 
+def _block(size: int, group) -> torch.Tensor:
+    """Indices of this rank's contiguous block of `size` (rank r gets [r·size, (r+1)·size))."""
+    r = td.get_rank(group)
+    return torch.arange(r * size, (r + 1) * size)
+
+
+def _load(layer: torch.nn.Module, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.nn.Module:
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    return layer.to(weight.dtype)
+
+
 class ColumnParallelLinear(torch.nn.Module):
     """Y = X·Aᵀ + b with A split by output rows: this rank holds (out_features/N, in_features) of it."""
 
@@ -138,14 +152,8 @@ class ColumnParallelLinear(torch.nn.Module):
     def from_linear(cls, linear: torch.nn.Linear, group=None, gather_output: bool = False, rows=None):
         """This rank's shard of `linear` (`rows`: which output rows it gets; default the r-th block)."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output, group)
-        if rows is None:
-            n = layer.weight.shape[0]
-            rows = torch.arange(td.get_rank(group) * n, (td.get_rank(group) + 1) * n)
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[rows])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias[rows])
-        return layer.to(linear.weight.dtype)
+        rows = _block(layer.weight.shape[0], group) if rows is None else rows
+        return _load(layer, linear.weight[rows], None if linear.bias is None else linear.bias[rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_parallel(x, self.group)  # (..., in): f — gradients from all ranks are summed backward
@@ -170,14 +178,8 @@ class RowParallelLinear(torch.nn.Module):
     def from_linear(cls, linear: torch.nn.Linear, group=None, input_is_parallel: bool = True, cols=None):
         """This rank's shard of `linear` (`cols`: which input columns it gets; default the r-th block)."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel, group)
-        if cols is None:
-            n = layer.weight.shape[1]
-            cols = torch.arange(td.get_rank(group) * n, (td.get_rank(group) + 1) * n)
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight[:, cols])
-            if linear.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer.to(linear.weight.dtype)
+        cols = _block(layer.weight.shape[1], group) if cols is None else cols
+        return _load(layer, linear.weight[:, cols], linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -204,11 +206,9 @@ class ParallelSelfAttention(torch.nn.Module):
 
     def __init__(self, attn, group=None):
         super().__init__()
-        n, r = td.get_world_size(group), td.get_rank(group)
         C = attn.c_attn.in_features
-        _shard_size("n_head", attn.n_head, group)
-        self.n_head, self.flash = attn.n_head // n, attn.flash
-        mine = torch.arange(r * C // n, (r + 1) * C // n)  # this rank's channels of q, k and v alike
+        self.n_head, self.flash = _shard_size("n_head", attn.n_head, group), attn.flash
+        mine = _block(C // td.get_world_size(group), group)  # this rank's channels of q, k and v alike
         qkv_rows = torch.cat([mine, C + mine, 2 * C + mine])  # this rank's heads in each of q, k, v
         self.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, group, rows=qkv_rows)
         self.c_proj = RowParallelLinear.from_linear(attn.c_proj, group, cols=mine)
