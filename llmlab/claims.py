@@ -45,7 +45,7 @@ VERDICTS = ("holds", "holds with conditions", "wrong", "misleading")
 # The library modules that register claims; a chapter's module adds its name here (e.g. "llmlab.flops").
 CLAIM_MODULES: tuple[str, ...] = ("llmlab.flops", "llmlab.sparsity", "llmlab.hardware.roofline",
                                    "llmlab.precision", "llmlab.parallel.data", "llmlab.parallel.tensor",
-                                   "llmlab.lora", "llmlab.quant",
+                                   "llmlab.lora", "llmlab.moe", "llmlab.quant",
                                    "llmlab.memory.checkpoint", "llmlab.memory.planner", "llmlab.memory.compress")
 
 REFERENCE_PATH = Path(__file__).resolve().parent / "CLAIMS.md"

@@ -1,0 +1,371 @@
+"""Mixture of Experts: a router sends each token to k of E expert MLPs, so a token uses k/E of their weights.
+
+Shazeer et al. 2017 ("Outrageously Large Neural Networks", the sparsely-gated MoE), Lepikhin et al. 2020
+(GShard: top-2, capacity, expert parallelism), Fedus et al. 2021 (Switch Transformer: top-1, the balance
+loss), Zoph et al. 2022 (ST-MoE: the router z-loss). For T tokens x (T, C) and E experts:
+
+1. **Router.** logits = x·W_g (a Linear C → E, no bias); p = softmax(logits) (T, E), in at least float32
+   (Switch §2.4, "selective precision"). Each token takes its top k experts. k = 1 (Switch) keeps the raw
+   probability p_e as the gate: renormalising one value would make it 1 and the router would get no gradient
+   from the task. k ≥ 2 (GShard) renormalises the k chosen probabilities to sum to 1.
+2. **Balance loss** (Switch eq. 4–6): N·Σᵢ fᵢ·Pᵢ, with Pᵢ = mean router probability of expert i and fᵢ = the
+   fraction of the T·k token→expert assignments routed to i (before capacity; for k = 1, Switch's fᵢ). It is 1
+   when the routing is uniform, up to N when it collapses onto one expert, and it trains the router through Pᵢ.
+   **z-loss** (ST-MoE eq. 5): mean over tokens of logsumexp(logits)², which keeps the logits small.
+   `aux_loss` = balance_coef·balance + z_coef·z (defaults 1e-2, Switch; 1e-3, ST-MoE): add it to the loss.
+3. **Capacity.** Every expert has capacity = ⌈k·T/E · capacity_factor⌉ slots: the "tokens" of ⌈tokens/E·cf⌉ are the
+   k·T assignments (GShard's 2T/E for top-2 at cf = 1; Switch's T/E·cf for k = 1), one queue per expert shared
+   by all k choices. Slots go first come, first served: all first choices in token order, then all second
+   choices (GShard's priority, so a token's first choice never loses its place to another's second). An
+   assignment past capacity is dropped: it adds 0 to that token's output, and a token whose choices are all
+   dropped gets output 0 — GShard and Switch rely on the residual connection (x + MoE(x)) to carry it on, so
+   the caller adds the residual. `capacity_factor=None` is dropless. `layer.routing.drop_rate` reports it.
+4. **Experts** are MLPs C → hidden → GELU → C (the transformer's MLP). The kept assignments are sorted by
+   expert (a stable argsort: priority order inside each expert), each expert runs one matmul pair on its
+   consecutive block of rows, and `index_add` sums the gated results back into the tokens: a loop over the E
+   experts, never over tokens.
+5. **Expert parallelism** (`group=`, as in GShard): rank r of N owns experts r·E/N … (r+1)·E/N − 1; the router is
+   replicated. Each rank routes its own tokens (capacity from its own T), then an all-to-all sends each rank the
+   rows for its experts, they compute, and a second all-to-all brings the results home: two all-to-alls forward,
+   and two backward (the backward of an all-to-all is the reverse all-to-all), so each expert's gradient sums
+   every rank's tokens. A tiny exchange of the E/N row counts per peer comes first (logged as "moe.counts").
+   The all-to-alls are llmlab's point-to-point `dist.all_to_all` (block sizes differ per pair of ranks). Rank r
+   computes exactly what the single-process layer computes on rank r's tokens; the router's gradient comes from
+   the rank's tokens only, so the caller all-reduces it (as DDP does for replicated weights).
+
+The course text's snippet (§8.2), `selected = topk(gate_scores, k=2); return sum(experts[i](x) * scores[i]
+for i in selected)`, runs every selected expert on the whole batch x (in a batch the tokens' choices differ,
+so that is nearly every expert on every token: no compute is saved), takes top-k of unnormalised scores
+without a softmax or renormalised gates, and has no capacity and no balance loss (without which the router
+collapses onto a few experts, Shazeer et al. 2017 §4).
+
+    from llmlab.moe import MoELayer
+    layer = MoELayer(dim=64, hidden=256, num_experts=8, k=2, capacity_factor=1.25)
+    y, aux_loss = layer(x)                       # x (..., 64) -> y (..., 64); loss = task + aux_loss
+    layer.routing.drop_rate                      # of the last forward
+    ep = MoELayer.from_layer(layer, group)       # on every rank: this rank's experts, the router replicated
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.distributed as td
+import torch.nn as nn
+
+from llmlab import claims
+from llmlab.dist.collectives import all_to_all
+from llmlab.dist.commlog import scope
+
+__all__ = ["Expert", "Routing", "route", "MoELayer", "loop_reference", "bench"]
+
+
+class Expert(nn.Module):
+    """One expert: dim -> hidden -> GELU -> dim, named like `llmlab.model.MLP` (c_fc, c_proj)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.c_fc, self.gelu, self.c_proj = nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where T tokens go. Assignment a = j·T + t is token t's j-th choice (choice-major, the priority order)."""
+
+    probs: torch.Tensor  # (T, E) router probabilities
+    expert: torch.Tensor  # (T, k) chosen experts, most probable first
+    gate: torch.Tensor  # (T, k) their gate weights
+    kept: torch.Tensor  # (K,) kept assignments, grouped by expert, in priority order within each
+    counts: torch.Tensor  # (E,) kept assignments per expert
+    load: torch.Tensor  # (E,) assignments per expert before capacity
+    capacity: int | None  # slots per expert; None = dropless
+    balance_loss: torch.Tensor  # () N·Σ f·P
+    z_loss: torch.Tensor  # () mean logsumexp(logits)²
+
+    @property
+    def token(self) -> torch.Tensor:
+        return self.kept % self.probs.shape[0]  # (K,)
+
+    @property
+    def kept_gate(self) -> torch.Tensor:
+        return self.gate.T.reshape(-1)[self.kept]  # (K,)
+
+    @property
+    def dropped(self) -> torch.Tensor:
+        """(T, k) bool: which choices lost their slot."""
+        keep = torch.zeros(self.gate.numel(), dtype=torch.bool, device=self.kept.device).index_fill_(0, self.kept, True)
+        return ~keep.view(self.gate.shape[1], -1).T
+
+    @property
+    def drop_rate(self) -> float:
+        return 1 - self.kept.numel() / self.gate.numel()
+
+    def detach(self) -> Routing:
+        return replace(self, **{f.name: getattr(self, f.name).detach() for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
+
+
+def _capacity(k: int, tokens: int, num_experts: int, capacity_factor: float | None) -> int | None:
+    return None if capacity_factor is None else math.ceil(k * tokens / num_experts * capacity_factor)
+
+
+def route(logits: torch.Tensor, k: int, capacity_factor: float | None) -> Routing:
+    """Top-k routing of (T, E) router logits with capacity (steps 1–3 of the module docstring)."""
+    T, E = logits.shape
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (T, E), Switch's selective precision
+    probs = logits.softmax(-1)  # (T, E)
+    top_p, expert = probs.topk(k, dim=-1)  # (T, k), (T, k)
+    gate = top_p if k == 1 else top_p / top_p.sum(-1, keepdim=True)  # (T, k)
+    choice = expert.T.reshape(-1)  # (k·T,) expert of assignment a = j·T + t
+    load = torch.bincount(choice, minlength=E)  # (E,)
+    balance = E * (load.to(probs.dtype) / (k * T) * probs.mean(0)).sum()  # N·Σ fᵢ·Pᵢ
+    z = torch.logsumexp(logits, -1).square().mean()
+    order = torch.argsort(choice, stable=True)  # (k·T,) grouped by expert, priority order within
+    capacity = _capacity(k, T, E, capacity_factor)
+    if capacity is None:
+        return Routing(probs, expert, gate, order, load, load, None, balance, z)
+    starts = load.cumsum(0) - load  # (E,) where each expert's block begins in `order`
+    place = torch.arange(k * T, device=logits.device) - starts[choice[order]]  # (k·T,) place in its queue
+    return Routing(probs, expert, gate, order[place < capacity], load.clamp(max=capacity), load, capacity,
+                   balance, z)
+
+
+def _run_experts(experts, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Expert e on its block of counts[e] consecutive rows: one matmul pair per expert, no loop over tokens."""
+    return torch.cat([expert(block) for expert, block in zip(experts, rows.split(counts), strict=True)])
+
+
+class _AllToAll(torch.autograd.Function):
+    """All-to-all of row blocks (llmlab's `dist.all_to_all`): rows split by `send_counts` go to ranks 0…N−1, the
+    blocks received come back concatenated in source-rank order. Backward is the reverse all-to-all: the
+    gradient of each received block goes back to the rank that sent it."""
+
+    @staticmethod
+    def forward(ctx, rows, send_counts, group):
+        received = all_to_all(list(rows.split(send_counts)), group)
+        ctx.group, ctx.received_counts = group, [b.shape[0] for b in received]
+        return torch.cat(received)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.cat(all_to_all(list(grad.contiguous().split(ctx.received_counts)), ctx.group)), None, None
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return value
+
+
+class MoELayer(nn.Module):
+    """A top-k mixture of `num_experts` MLPs (dim -> hidden -> dim); forward returns `(output, aux_loss)`.
+
+    `capacity_factor=None` drops nothing. `group`: expert parallelism over that process group (each rank owns
+    num_experts / world_size experts, `self.experts`, the first being global expert `self.first_expert`).
+    `balance_coef` (α) and `z_coef` weigh the balance loss and z-loss in aux_loss. After a forward,
+    `self.routing` (a detached `Routing`) says where the tokens went.
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, k: int = 2, capacity_factor: float | None = 1.25,
+                 group=None, *, balance_coef: float = 1e-2, z_coef: float = 1e-3):
+        super().__init__()
+        self.dim, self.hidden = _positive_int("dim", dim), _positive_int("hidden", hidden)
+        self.num_experts = _positive_int("num_experts", num_experts)
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
+            raise ValueError(f"k={k!r} must be an int in [1, num_experts={num_experts}]")
+        if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(
+                capacity_factor, int | float) or not capacity_factor > 0):
+            raise ValueError(f"capacity_factor={capacity_factor!r} must be a number > 0, or None (dropless)")
+        for name, coef in (("balance_coef", balance_coef), ("z_coef", z_coef)):
+            if isinstance(coef, bool) or not isinstance(coef, int | float) or not coef >= 0:
+                raise ValueError(f"{name}={coef!r} must be a number >= 0")
+        self.k, self.capacity_factor, self.group = k, capacity_factor, group
+        self.balance_coef, self.z_coef = float(balance_coef), float(z_coef)
+        self.world_size, rank = 1, 0
+        if group is not None:
+            if not td.is_initialized() or td.get_rank(group) < 0:
+                raise ValueError("group must be a torch.distributed process group this process belongs to")
+            self.world_size, rank = td.get_world_size(group), td.get_rank(group)
+            if num_experts % self.world_size:
+                raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel world size "
+                                 f"{self.world_size} (each rank owns num_experts / world_size experts)")
+        self.num_local_experts = num_experts // self.world_size
+        self.first_expert = rank * self.num_local_experts
+        self.gate = nn.Linear(dim, num_experts, bias=False)  # the router, replicated on every rank
+        self.experts = nn.ModuleList(Expert(dim, hidden) for _ in range(self.num_local_experts))
+        self.routing: Routing | None = None
+
+    @classmethod
+    def from_layer(cls, layer: MoELayer, group) -> MoELayer:
+        """This rank's share of the single-process `layer`: a copy of its router and of the experts it owns."""
+        if not isinstance(layer, MoELayer) or layer.group is not None:
+            raise ValueError("layer must be a single-process MoELayer (group=None)")
+        new = cls(layer.dim, layer.hidden, layer.num_experts, layer.k, layer.capacity_factor, group,
+                  balance_coef=layer.balance_coef, z_coef=layer.z_coef)
+        new.gate = copy.deepcopy(layer.gate)
+        mine = range(new.first_expert, new.first_expert + new.num_local_experts)
+        new.experts = nn.ModuleList(copy.deepcopy(layer.experts[e]) for e in mine)
+        return new
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"x has last dimension {x.shape[-1]}, the layer expects dim={self.dim}")
+        tokens = x.reshape(-1, self.dim)  # (T, C)
+        r = route(self.gate(tokens), self.k, self.capacity_factor)
+        rows = tokens[r.token]  # (K, C): the kept assignments' tokens, grouped by expert
+        if self.group is None:
+            y = _run_experts(self.experts, rows, r.counts.tolist())  # (K, C)
+        else:
+            y = self._expert_parallel(rows, r.counts)  # (K, C)
+        out = tokens.new_zeros(tokens.shape).index_add(0, r.token, y * r.kept_gate.to(y.dtype)[:, None])  # (T, C)
+        self.routing = r.detach()
+        return out.view(x.shape), self.balance_coef * r.balance_loss + self.z_coef * r.z_loss
+
+    def _expert_parallel(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by global expert -> the owning ranks -> their experts -> back, in the same order."""
+        n, local = self.world_size, self.num_local_experts
+        send = counts.view(n, local)  # (N, E/N): row d = rows for each of rank d's experts
+        with scope("moe.counts"):  # the receivers need the per-expert split of what arrives
+            recv = torch.stack(all_to_all(list(send), self.group))  # (N, E/N): row s = what rank s sends me
+        arrived = _AllToAll.apply(rows, send.sum(1).tolist(), self.group)  # (R, C): by source rank, then expert
+        expert = torch.arange(local, device=rows.device).repeat(n).repeat_interleave(recv.flatten())  # (R,)
+        order = torch.argsort(expert, stable=True)  # (R,) group the arrivals by local expert
+        y = _run_experts(self.experts, arrived[order], recv.sum(0).tolist())[order.argsort()]  # (R, C)
+        return _AllToAll.apply(y, recv.sum(1).tolist(), self.group)  # (K, C): home, in `rows` order
+
+
+def loop_reference(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """The definition, one token at a time (slow; for tests and the bench): softmax, top-k, gates renormalised
+    for k ≥ 2, and `capacity` slots per expert handed out to all first choices in token order, then all second
+    choices."""
+    if layer.group is not None:
+        raise ValueError("layer must be a single-process MoELayer (group=None)")
+    tokens = x.reshape(-1, layer.dim)  # (T, C)
+    T, E, k = tokens.shape[0], layer.num_experts, layer.k
+    capacity = _capacity(k, T, E, layer.capacity_factor)
+    choices = []
+    for t in range(T):
+        logits = layer.gate(tokens[t])  # (E,)
+        p = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(0)  # (E,)
+        top_p, top_e = p.topk(k)
+        choices.append((top_e.tolist(), top_p if k == 1 else top_p / top_p.sum()))
+    out, used = [tokens.new_zeros(layer.dim) for _ in range(T)], [0] * E
+    for j in range(k):
+        for t in range(T):
+            e = choices[t][0][j]
+            if capacity is None or used[e] < capacity:
+                used[e] += 1
+                out[t] = out[t] + choices[t][1][j].to(x.dtype) * layer.experts[e](tokens[t])
+    return torch.stack(out).view(x.shape)
+
+
+def _fwd_bwd(fn, x):
+    """One forward and backward of `fn` (a layer returning (y, aux_loss), or a function returning y) on `x`."""
+    def step():
+        out = fn(x)
+        (out[0] + out[1] if isinstance(out, tuple) else out).square().mean().backward()
+    return step
+
+
+def _every_expert(layer: MoELayer):
+    """The course snippet's way: every expert on every token, weighted by the gate (0 where not chosen)."""
+    def forward(x):
+        r = route(layer.gate(x), layer.k, None)
+        weights = torch.zeros_like(r.probs).scatter(1, r.expert, r.gate)  # (T, E)
+        return sum(expert(x) * weights[:, e:e + 1] for e, expert in enumerate(layer.experts))
+    return forward
+
+
+def bench(sizes: dict | None = None, repeats: int = 5) -> list[dict]:
+    """Grouped top-2 MoE forward+backward vs dense MLPs, vs every expert on every token, time and drop rate per
+    capacity factor, and vs the per-token loop at a small size. `sizes` overrides dim, hidden, experts, tokens."""
+    from llmlab import runtime
+    from llmlab.bench import compare
+
+    device = runtime.device()
+    s = dict(dim=768, hidden=3072, experts=8, tokens=8192) if runtime.tier().is_gpu else dict(
+        dim=128, hidden=512, experts=8, tokens=1024)
+    s.update(sizes or {})
+    C, H, E, T, k = s["dim"], s["hidden"], s["experts"], s["tokens"], 2
+    torch.manual_seed(0)
+    x = torch.randn(T, C, device=device, requires_grad=True)
+    dropless = MoELayer(C, H, E, k, None).to(device)
+    size = f"T={T} C={C} H={H} E={E} k={k}"
+    timed = lambda impl, peer, v=x: compare(_fwd_bwd(impl, v), _fwd_bwd(peer, v), device=device, repeats=repeats)
+    for _ in range(3):  # the process's first steps pay for thread-pool start and allocator growth
+        _fwd_bwd(dropless, x)()
+    rows = []
+    for hidden, why, ideal in ((H, "1 expert's params", k), (k * H, "equal active FLOPs", 1)):
+        r = timed(dropless, Expert(C, hidden).to(device))
+        rows.append({"impl": "MoE grouped, dropless", "peer": f"dense MLP hidden={hidden} ({why})", "size": size,
+                     **r, "ideal": ideal, "tokens_per_s": T / r["impl_ms"] * 1e3})
+    rows.append({"impl": "MoE grouped, dropless", "peer": "every expert on every token (snippet)", "size": size,
+                 **timed(dropless, _every_expert(dropless)), "ideal": k / E})
+    for cf in (0.5, 1.0, 1.25, 2.0):
+        layer = copy.deepcopy(dropless)
+        layer.capacity_factor = cf
+        r = timed(layer, dropless)
+        rows.append({"impl": f"MoE grouped, capacity_factor={cf}", "peer": "MoE grouped, dropless", "size": size,
+                     **r, "drop_rate": layer.routing.drop_rate})
+    small = MoELayer(32, 128, 4, k, None).to(device)
+    r = timed(small, lambda v: loop_reference(small, v), torch.randn(64, 32, device=device, requires_grad=True))
+    rows.append({"impl": "MoE grouped, dropless", "peer": "per-token loop (loop_reference)",
+                 "size": f"T=64 C=32 H=128 E=4 k={k}", **r})
+    return rows
+
+
+@claims.register("C20", chapter=8)
+def _claim_moe_active_parameters() -> claims.Measurement:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from llmlab.model import MLP, GPTConfig
+
+    config, E, k, T = GPTConfig.preset("gpt2"), 8, 2, 64
+    C, H = config.n_embd, 4 * config.n_embd
+    torch.manual_seed(0)
+    layer = MoELayer(C, H, E, k, capacity_factor=None)
+    total = sum(p.numel() for p in layer.parameters())
+    with torch.device("meta"):
+        dense, wide = MLP(config), Expert(C, E * H)  # hidden H; hidden E·H (about the MoE's total parameters)
+
+    def flops_per_token(module, x):
+        with FlopCounterMode(display=False) as counter:
+            module(x)
+        return counter.get_total_flops() / T
+
+    with torch.no_grad():
+        moe_flops = flops_per_token(layer, torch.randn(T, C))
+    sequence_experts = layer.routing.load.count_nonzero().item()  # experts that T random tokens touch
+    dense_flops, wide_flops = (flops_per_token(m, torch.randn(T, C, device="meta")) for m in (dense, wide))
+    y, _ = layer(torch.randn(1, C))  # one token: the parameters that get a gradient are the ones it used
+    y.sum().backward()
+    active = sum(p.numel() for p in layer.parameters() if p.grad.count_nonzero() > 0)
+    layer.zero_grad(set_to_none=True)
+    expert = sum(p.numel() for p in layer.experts[0].parameters())
+
+    router = nn.Linear(64, E, bias=False)  # a random router on random tokens: only the routing runs
+    logits = router(torch.randn(4096, 64)).detach()
+    sweep = {cf: route(logits, k, cf) for cf in (0.75, 1.0, 1.25, 1.5, 2.0, None)}
+    balance = sweep[None].balance_loss.item()
+    holds = active == k * expert + layer.gate.weight.numel() and abs(moe_flops / dense_flops / k - 1) < 0.01
+    table = ", ".join(f"{'dropless' if cf is None else cf}: {r.drop_rate:.1%}" for cf, r in sweep.items())
+    return claims.Measurement(
+        value={"active/total params": active / total, "MoE/dense(H) FLOPs per token": moe_flops / dense_flops,
+               "MoE/dense(E·H) FLOPs per token": moe_flops / wide_flops, "balance loss (random router)": balance,
+               **{f"drop rate cf={cf}": r.drop_rate for cf, r in sweep.items()}},
+        unit="ratio",
+        text=(f"top-{k} of {E} experts at GPT-2 width (C={C}, H={H}): one token's gradient reaches {active:,} of "
+              f"{total:,} parameters ({active / total:.1%}: {k} experts and the router); {moe_flops / 1e6:.1f} "
+              f"MFLOP per token = {moe_flops / dense_flops:.3f}× the dense MLP of hidden {H}, "
+              f"{moe_flops / wide_flops:.3f}× a dense MLP of hidden {E}·{H} (about the same total parameters). But "
+              f"{T} random tokens touch {sequence_experts} of {E} experts: per sample rather than per token, "
+              f"nearly all weights are read. Random router: balance loss {balance:.3f} (1 = uniform); drop rate "
+              f"by capacity factor {table}. Conditions: two all-to-alls per pass under expert parallelism, "
+              f"dropped tokens at low capacity, a balance loss to keep the load even"),
+        device=claims.here(), verdict="holds" if holds else "holds with conditions")

@@ -1,0 +1,244 @@
+"""Mixture of Experts (llmlab.moe): the grouped layer equals the per-token loop (with and without drops, outputs
+and gradients), the drop rule is first come first served with first choices first, the balance loss is 1 for
+uniform routing and grows with imbalance, drop rate falls with the capacity factor, expert parallelism on 2 and 4
+ranks equals the single-process layer with two all-to-alls each way, and bad arguments are refused by name."""
+
+import dataclasses
+import functools
+import math
+
+import pytest
+import torch
+
+from llmlab import bench, claims, dist
+from llmlab.moe import MoELayer, loop_reference, route
+
+SUBGROUPS = {2: [0, 1]}  # 4: the whole world (group=None would mean a single-process layer)
+_groups: dict = {}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with dist.Cluster(4) as c:
+        yield c
+
+
+@pytest.fixture
+def one_thread():
+    # Tiny matmuls gain nothing from a second thread, and other processes share the 2 cores (see test_model).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _layer(k, capacity_factor, seed=0, num_experts=4):
+    torch.manual_seed(seed)
+    return MoELayer(6, 10, num_experts, k, capacity_factor).double()
+
+
+def _grads(layer, x, forward):
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    y = forward(x)
+    (y * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype)).sum().backward()
+    return y.detach(), {"x": x.grad, **{name: p.grad for name, p in layer.named_parameters()}}
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("capacity_factor", [None, 2.0, 0.5])  # k=2, E=4: cf=2 gives capacity T: nothing drops
+def test_grouped_layer_equals_the_per_token_loop(one_thread, k, capacity_factor):
+    layer = _layer(k, capacity_factor)
+    x = torch.randn(3, 7, 6, dtype=torch.float64)
+    y, grads = _grads(layer, x, lambda v: layer(v)[0])
+    y_ref, grads_ref = _grads(layer, x, lambda v: loop_reference(layer, v))
+    assert y.shape == x.shape
+    if capacity_factor == 0.5:
+        assert layer.routing.drop_rate > 0.25  # at most half the assignments fit: C = ⌈k·21/4·0.5⌉
+    elif capacity_factor == 2.0 and k == 2:
+        assert layer.routing.capacity == 21 and layer.routing.drop_rate == 0
+    # float64; the grouped matmuls and the loop's per-token ones sum in different orders: ~1e-16 relative
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, grads_ref[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_slots_go_first_come_first_served_first_choices_first():
+    # 4 tokens, E=2, k=1: all want expert 0; capacity ⌈1·4/2·1⌉ = 2 -> tokens 0 and 1 keep their slot
+    r = route(torch.tensor([[2.0, 0.0]] * 4), k=1, capacity_factor=1.0)
+    assert r.capacity == 2 and r.dropped.flatten().tolist() == [False, False, True, True] and r.drop_rate == 0.5
+    # 2 tokens, E=2, k=2, capacity 1: token 0 prefers expert 0, token 1 expert 1. First choices come first, so
+    # both keep their first choice and both second choices drop (token order alone would let token 0's
+    # second choice take expert 1's only slot before token 1's first choice).
+    r = route(torch.tensor([[1.0, 0.0], [0.0, 1.0]]), k=2, capacity_factor=0.5)
+    assert r.capacity == 1 and r.expert.tolist() == [[0, 1], [1, 0]]
+    assert r.dropped.tolist() == [[False, True], [False, True]]
+    assert r.counts.tolist() == [1, 1] and r.load.tolist() == [2, 2]
+
+
+def _cyclic_tokens(E, k, T):
+    """T tokens in dim E routed by an identity gate: token t prefers expert t mod E, then t+1, ... (k of them),
+    so every expert gets T·k/E assignments and, by the cyclic symmetry, the same mean probability."""
+    x = torch.zeros(T, E, dtype=torch.float64)
+    for j in range(k):
+        x[torch.arange(T), (torch.arange(T) + j) % E] = 3.0 - j
+    return x
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_balance_loss_is_alpha_for_uniform_routing_and_grows_with_imbalance(one_thread, k):
+    E = 4
+    layer = MoELayer(E, 8, E, k, None, balance_coef=0.01, z_coef=0.0).double()
+    with torch.no_grad():
+        layer.gate.weight.copy_(torch.eye(E))
+    _, aux = layer(_cyclic_tokens(E, k, 4 * E))
+    assert layer.routing.load.tolist() == [4 * k] * E
+    assert math.isclose(layer.routing.balance_loss.item(), 1.0, rel_tol=1e-12)  # N·Σ (1/N)(1/N), float64
+    assert math.isclose(aux.item(), 0.01, rel_tol=1e-12)
+    with torch.no_grad():
+        layer.gate.weight.zero_()  # every probability 1/E: P uniform makes N·Σ f·P = Σ f = 1 whatever f is
+    assert math.isclose(layer(torch.randn(9, E, dtype=torch.float64))[1].item(), 0.01, rel_tol=1e-12)
+    # more and more tokens prefer expert 0: f and P pile up on it and the loss rises towards N
+    with torch.no_grad():
+        layer.gate.weight.copy_(torch.eye(E))
+    losses = []
+    for skew in range(5):
+        x = _cyclic_tokens(E, k, 16)
+        x[: 3 * skew] = x[0]  # the first 3·skew tokens route like token 0
+        losses.append(route(layer.gate(x), k, None).balance_loss.item())
+    assert losses[0] == pytest.approx(1.0) and all(b > a for a, b in zip(losses, losses[1:], strict=False))
+    assert losses[-1] < E
+
+
+def test_z_loss_is_the_mean_squared_logsumexp(one_thread):
+    logits = torch.randn(11, 5, dtype=torch.float64)
+    expected = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits.tolist()) / 11
+    assert math.isclose(route(logits, 2, None).z_loss.item(), expected, rel_tol=1e-12)
+
+
+def test_drop_rate_falls_with_capacity_factor_and_is_zero_when_dropless(one_thread):
+    torch.manual_seed(0)
+    logits = torch.randn(512, 8) * 2  # a confident random router: the loads differ by tens of tokens
+    factors = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 4.0]
+    rates = [route(logits, 2, cf).drop_rate for cf in factors]
+    assert all(b <= a for a, b in zip(rates, rates[1:], strict=False)) and rates[0] > rates[-2]
+    assert rates[0] >= 0.75 and rates[-1] == 0 and route(logits, 2, None).drop_rate == 0
+    for cf, rate in zip(factors, rates, strict=True):  # exactly the assignments over each expert's capacity
+        r = route(logits, 2, cf)
+        assert rate * 1024 == (r.load - r.capacity).clamp(min=0).sum().item()
+
+
+def test_bad_arguments_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"k=5 must be an int in \[1, num_experts=4\]"):
+        MoELayer(6, 10, 4, k=5)
+    with pytest.raises(ValueError, match="k=0"):
+        MoELayer(6, 10, 4, k=0)
+    for cf in (0, -1.0, True):
+        with pytest.raises(ValueError, match="capacity_factor="):
+            MoELayer(6, 10, 4, capacity_factor=cf)
+    with pytest.raises(ValueError, match="num_experts=0"):
+        MoELayer(6, 10, 0)
+    with pytest.raises(ValueError, match="x has last dimension 6, the layer expects dim=4"):
+        MoELayer(4, 10, 4)(torch.randn(2, 6))
+    with pytest.raises(ValueError, match="balance_coef=-1"):
+        MoELayer(6, 10, 4, balance_coef=-1)
+
+
+def _group(world):
+    import torch.distributed as td
+
+    if not _groups:
+        _groups.update({k: td.new_group(r) for k, r in SUBGROUPS.items()})  # every rank takes part
+    if world < 4 and td.get_rank() not in SUBGROUPS[world]:
+        return False
+    return _groups.get(world, td.group.WORLD)
+
+
+def _expert_parallel(world, capacity_factor):
+    import torch.distributed as td
+
+    from llmlab.dist import CommLog
+
+    group = _group(world)
+    if group is False:
+        return None
+    rank = td.get_rank(group)
+    full = _layer(2, capacity_factor)  # the same weights on every rank
+    layer = MoELayer.from_layer(full, group)
+    torch.manual_seed(100 + rank)
+    x = torch.randn(13 + 3 * rank, 6, dtype=torch.float64, requires_grad=True)  # ranks hold different T
+    with CommLog() as forward:
+        y, aux = layer(x)
+    with CommLog() as backward:
+        ((y * torch.linspace(-1, 1, 6, dtype=y.dtype)).sum() + aux).backward()
+    calls = lambda log: {name: s.calls for name, s in log.by_op().items()}  # noqa: E731
+    return {"rank": rank, "x": x.detach(), "y": y.detach(), "aux": aux.detach(), "x_grad": x.grad,
+            "grads": {name: p.grad for name, p in layer.named_parameters()}, "first": layer.first_expert,
+            "drop_rate": layer.routing.drop_rate, "calls": (calls(forward), calls(backward))}
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_equals_the_single_process_layer(cluster, world, capacity_factor):
+    results = [r for r in cluster.run(_expert_parallel, world, capacity_factor) if r is not None]
+    assert [r["rank"] for r in results] == list(range(world))
+    full = _layer(2, capacity_factor)
+    expert_grads = {}
+    for r in results:  # rank r's layer computes what the single-process layer computes on rank r's tokens
+        full.zero_grad(set_to_none=True)
+        x = r["x"].clone().requires_grad_(True)
+        y, aux = full(x)
+        ((y * torch.linspace(-1, 1, 6, dtype=y.dtype)).sum() + aux).backward()
+        assert math.isclose(r["drop_rate"], full.routing.drop_rate)
+        # float64; only the order of the sums differs (an expert's rows arrive grouped by rank): ~1e-16 relative
+        torch.testing.assert_close(r["y"], y.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(r["aux"], aux.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(r["x_grad"], x.grad, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(r["grads"]["gate.weight"], full.gate.weight.grad, rtol=1e-12, atol=1e-12)
+        for name, p in full.experts.named_parameters():
+            expert_grads[name] = expert_grads.get(name, 0) + p.grad  # summed over every rank's tokens
+    assert capacity_factor is None or max(r["drop_rate"] for r in results) > 0
+    per_rank = 4 // world
+    for r in results:
+        assert r["first"] == r["rank"] * per_rank
+        for i in range(per_rank):
+            for name in ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias"):
+                torch.testing.assert_close(r["grads"][f"experts.{i}.{name}"],
+                                           expert_grads[f"{r['first'] + i}.{name}"], rtol=1e-12, atol=1e-12)
+        forward, backward = r["calls"]  # two all-to-alls of rows each way, and one of the per-expert counts
+        assert forward == {"moe.counts": 1, "all_to_all.check": 2, "all_to_all": 2}
+        assert backward == {"all_to_all.check": 2, "all_to_all": 2}
+
+
+def _indivisible():
+    try:
+        MoELayer(6, 10, 6, group=_group(4))
+    except ValueError as e:
+        return str(e)
+
+
+def test_experts_not_divisible_by_the_world_size_is_refused(cluster):
+    for message in cluster.run(_indivisible):
+        assert message.startswith("num_experts=6 is not divisible by the expert-parallel world size 4")
+
+
+def test_claim_c20_is_measured_and_holds():
+    claim = claims.get("C20")
+    m = claim.measure()
+    measured_once = functools.wraps(claim.measure)(lambda: m)  # audit reads the source through __wrapped__
+    assert claim.chapter == 8 and not claims.audit(dataclasses.replace(claim, measure=measured_once))
+    assert m.verdict == "holds"
+    assert 0.25 < m.value["active/total params"] < 0.26  # k/E of the experts, plus the router
+    assert 2 < m.value["MoE/dense(H) FLOPs per token"] < 2.01  # 2 experts, plus the router's 2·C·E
+    assert m.value["drop rate cf=None"] == 0
+
+
+def test_moe_bench_rows_follow_the_table_convention(one_thread):
+    assert bench.BENCHES["moe"] == "llmlab.moe:bench"
+    rows = bench.get("moe")(sizes=dict(dim=16, hidden=32, experts=4, tokens=64), repeats=1)
+    assert len(rows) == 8
+    for row in rows:
+        assert {"impl", "peer", "size", "impl_ms", "peer_ms", "ratio"} <= set(row)
+        assert math.isclose(row["ratio"], row["impl_ms"] / row["peer_ms"])
+    drops = [row["drop_rate"] for row in rows if "drop_rate" in row]
+    assert len(drops) == 4 and drops == sorted(drops, reverse=True)
