@@ -29,11 +29,12 @@ BENCHES: dict[str, str] = {
     "vector_add": "llmlab.kernels.vector_add:bench",
     "gemm": "llmlab.kernels.gemm:bench",
     "quant": "llmlab.kernels.quantize:bench",
-    "zero": "llmlab.memory.zero:bench",
-    "moe": "llmlab.moe:bench",
     "precision": "llmlab.precision:bench",
     "checkpoint": "llmlab.memory.checkpoint:bench",
     "compress": "llmlab.memory.compress:bench",
+    "zero": "llmlab.memory.zero:bench",
+    "moe": "llmlab.moe:bench",
+    "allreduce": "llmlab.dist.bench:bench",
 }
 
 

@@ -46,7 +46,8 @@ VERDICTS = ("holds", "holds with conditions", "wrong", "misleading")
 CLAIM_MODULES: tuple[str, ...] = ("llmlab.flops", "llmlab.sparsity", "llmlab.hardware.roofline",
                                    "llmlab.precision", "llmlab.parallel.data", "llmlab.parallel.tensor",
                                    "llmlab.lora", "llmlab.moe", "llmlab.quant",
-                                   "llmlab.memory.checkpoint", "llmlab.memory.planner", "llmlab.memory.compress")
+                                   "llmlab.memory.checkpoint", "llmlab.memory.planner", "llmlab.memory.compress",
+                                   "llmlab.dist.bench", "llmlab.accumulate", "llmlab.dist.cost")
 
 REFERENCE_PATH = Path(__file__).resolve().parent / "CLAIMS.md"
 

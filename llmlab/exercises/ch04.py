@@ -1,0 +1,430 @@
+"""Checks for chapter 4's exercises (solutions/04_communication.ipynb): the ring's two halves, accumulation, α-β.
+
+    from llmlab.exercises import ch04 as check
+    check.ring_reduce_scatter(ring_reduce_scatter)    # 4.1, on 2–5 gloo ranks
+    check.ring_all_gather(ring_all_gather)            # 4.2, on 2–5 gloo ranks
+    check.accumulate(accumulate)                      # 4.3
+    check.ring_time(ring_allreduce_time)              # 4.4
+
+**Multi-rank checks.** The learner's function travels to real ranks by value (it is defined in a notebook:
+cloudpickle sends its code) and runs there on every world size from 2 to 5: one `dist.Cluster` of 5 gloo
+processes, started by the first check that needs it and reused by the others (stopped when Python exits, or by
+`close()`). World size n < 5 runs on the subgroup of ranks 0 … n−1, so a rank of the group is also its global
+rank; world size 5 on the default group. Each case is a fresh random size — 1 and n−1 elements (fewer than
+ranks: some chunks are empty), sizes not divisible by n, a 2-D tensor, a large one — with integer values in
+float32, so every correct order of summation gives the same bits and answers are compared exactly.
+
+**Diagnosis.** Every world size also runs a *tagged* case: rank r's element in chunk c is 2^r · (1 + c · 2^n),
+so any sum of distinct ranks' shares of one chunk, m · (1 + c · 2^n) with m < 2^n a bitmask of ranks, says which
+chunk it is and whose shares it holds. A wrong answer is then named precisely: "rank 2 ended with chunk 3" (an
+off-by-one chunk index), "chunk 2 holds the shares of ranks 1, 2 only" (a step missing), "a share added twice".
+In the all-gather, chunk c of rank r's input is filled with tags naming (r, c), so a misplaced or missing chunk
+is named the same way.
+
+A learner's `NotImplementedError` raised on a rank comes back as a `RankError` and reads "not attempted yet"
+(`llmlab.exercises.checks`). A function that deadlocks (a rank waiting for a message nobody sends) is stopped
+after `TIMEOUT_S` and reported as such; the next check starts fresh ranks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import random
+import re
+
+from llmlab.exercises.checks import Mismatch, assert_close, check
+
+__all__ = ["ring_reduce_scatter", "ring_all_gather", "accumulate", "ring_time", "close", "WORLD_SIZES",
+           "TIMEOUT_S"]
+
+WORLD_SIZES = (2, 3, 4, 5)
+TIMEOUT_S = 30.0  # the reference answers all cases in well under a second; more means a rank is stuck
+_cluster = None  # in the checking process: the Cluster, once started
+_groups: dict = {}  # on the ranks: world size → its process group (None: the default group)
+
+
+def _rng() -> random.Random:
+    return random.Random()  # fresh cases on every run: an answer cannot be tuned to fixed inputs
+
+
+def close() -> None:
+    """Stop the checks' ranks (they are also stopped when Python exits)."""
+    global _cluster
+    if _cluster is not None:
+        _cluster.close()
+        _cluster = None
+
+
+def _ranks():
+    global _cluster
+    if _cluster is None:
+        from llmlab import dist
+
+        _cluster = dist.Cluster(max(WORLD_SIZES), backend="gloo")
+        atexit.register(close)
+    return _cluster
+
+
+class LearnerError(RuntimeError):
+    """Raised on a rank when the learner's function failed there; says in which case."""
+
+
+def _group(n: int):
+    """On a rank: (is this rank in the world of size n, its process group)."""
+    import torch.distributed as td
+
+    if not _groups:  # every rank creates every subgroup once, in the same order
+        _groups.update({k: td.new_group(list(range(k))) if k < td.get_world_size() else None for k in WORLD_SIZES})
+    return td.get_rank() < n, _groups[n]
+
+
+def _on_ranks(body, fn, cases, what: str) -> list[list]:
+    """Run `body(fn, cases)` on every rank; return the per-rank lists of per-case results."""
+    from llmlab.dist import RankError
+
+    try:
+        return _ranks().run(body, fn, cases, timeout=TIMEOUT_S)
+    except RankError as e:
+        if e.exc_type == "NotImplementedError":
+            raise  # "not attempted yet"
+        if e.exc_type == "RankCrashed":
+            sizes = re.search(r"(\d+) vs (\d+)\. Received data size doesn't match", str(e))
+            if sizes:  # gloo aborts a process that receives more bytes than it posted a buffer for
+                raise Mismatch(f"gloo stopped rank {e.rank}: a message of {sizes[1]} bytes arrived where it expected "
+                               f"{sizes[2]}, so a rank sent another chunk than the one its neighbour receives at that "
+                               "step — rank r should end with chunk r; check the index you send at step s") from None
+            raise Mismatch(f"rank {e.rank}'s process crashed while running your {what}: {str(e).splitlines()[0]}") \
+                from None
+        message = str(e.exception) if e.exception is not None else str(e).splitlines()[0]
+        raise Mismatch(f"on rank {e.rank}, {message}") from None
+    except TimeoutError:
+        raise Mismatch(f"your {what} did not finish within {TIMEOUT_S:g} s: some rank waits for a message nobody "
+                       "sends (or sends one nobody receives). At every step each rank must send to its right "
+                       "neighbour AND receive from its left one, posted together: exchange(sends=[(t, right)], "
+                       "recvs=[(buf, left)], group=group)") from None
+
+
+def _call(fn, args, case_text: str):
+    """The learner's call on a rank; its exceptions name the case (NotImplementedError passes untouched)."""
+    try:
+        return fn(*args)
+    except NotImplementedError:
+        raise
+    except Exception as e:
+        raise LearnerError(f"your function raised {type(e).__name__}: {e} ({case_text})") from e
+
+
+# --- tags: a value that says which chunk and whose shares ---------------------------------------------------
+
+def _tag(rank: int, chunk: int, n: int) -> int:
+    return (1 << rank) * (1 + chunk * (1 << n))
+
+
+def _untag(value: float, n: int) -> tuple[int, tuple[int, ...]] | None:
+    """(chunk, ranks) if `value` is a sum of distinct ranks' tags of one chunk, else None."""
+    if value != int(value) or value <= 0:
+        return None
+    v = int(value)
+    m = v % (1 << n)
+    if m == 0 or (v >> n) % m:
+        return None
+    chunk = (v >> n) // m
+    return (chunk, tuple(r for r in range(n) if m >> r & 1)) if chunk < n else None
+
+
+def _chunk_of(numel: int, n: int):
+    """(numel,) int tensor: the chunk of `torch.tensor_split(range(numel), n)` each element falls in."""
+    import torch
+
+    from llmlab.dist.collectives import chunk_sizes
+
+    return torch.repeat_interleave(torch.arange(n), torch.tensor(chunk_sizes(numel, n)))
+
+
+def _ranks_text(ranks) -> str:
+    return ", ".join(map(str, ranks))
+
+
+# --- 4.1: ring reduce-scatter -------------------------------------------------------------------------------
+
+def _rs_input(case: dict, rank: int):
+    """Rank `rank`'s input of a reduce-scatter case: tags or random integers, float32, of case['shape']."""
+    import torch
+
+    n, shape = case["n"], case["shape"]
+    numel = math.prod(shape)
+    if case["tagged"]:
+        return ((1 << rank) * (1 + _chunk_of(numel, n) * (1 << n))).float().view(shape)
+    g = torch.Generator().manual_seed(case["seed"] * 31 + rank)
+    return torch.randint(-8, 9, shape, generator=g).float()
+
+
+def _rs_cases(rng: random.Random) -> list[dict]:
+    cases = []
+    for n in WORLD_SIZES:
+        seed = rng.randrange(1 << 30)
+        not_divisible = rng.choice([k for k in range(n + 1, 60) if k % n])
+        shapes = [(3 * n + 1,), (1,), (n - 1,), (not_divisible,), (3, rng.randint(2, 9)), (rng.randint(1000, 5000),)]
+        cases += [{"n": n, "shape": s, "tagged": i == 0, "seed": seed + i} for i, s in enumerate(shapes)]
+    return cases
+
+
+def _run_reduce_scatter(fn, cases) -> list:
+    import torch
+    import torch.distributed as td
+
+    out = []
+    for case in cases:
+        member, group = _group(case["n"])
+        if not member:
+            out.append(None)
+            continue
+        rank = td.get_rank(group)
+        x = _rs_input(case, rank)
+        given = x.clone()
+        got = _call(fn, (given, group), f"world size {case['n']}, rank {rank}, input of shape {case['shape']}")
+        changed = not torch.equal(given, x)
+        out.append((got.detach().clone() if isinstance(got, torch.Tensor) else type(got).__name__, changed))
+    return out
+
+
+def _rs_diagnosis(got, case: dict, rank: int) -> str | None:
+    """What an off-by-one or a missing step looks like in a tagged case's answer, in words."""
+    n = case["n"]
+    decoded = [_untag(v, n) for v in got.reshape(-1).tolist()]
+    if any(d is None for d in decoded):
+        return ("its values are not sums of distinct ranks' shares of one chunk: a share was added twice, or "
+                "a received buffer was used before it arrived")
+    chunks = {c for c, _ in decoded}
+    if chunks != {rank}:
+        c = sorted(chunks - {rank})[0]
+        return (f"rank {rank} ended with (part of) chunk {c}, not chunk {rank}: the chunk index is off by "
+                f"{(c - rank) % n} — rank r should end with chunk r, so at step s it sends its running sum of chunk "
+                "r−s−1 and receives chunk r−s−2 (mod N); check the index you send at step s")
+    missing = sorted(set(range(n)) - set(decoded[0][1]))
+    if missing:
+        return (f"chunk {rank} on rank {rank} holds the shares of ranks {_ranks_text(decoded[0][1])} only, not of "
+                f"{_ranks_text(missing)}: a ring reduce-scatter takes N−1 = {n - 1} steps, and after receiving a "
+                "chunk each rank adds its own share before passing it on")
+    return None
+
+
+@check("4.1", "ring reduce-scatter",
+       hint="rank r should end with chunk r of torch.tensor_split(tensor.flatten(), N), summed over all ranks: at "
+            "step s = 0 … N−2 it sends its running sum of chunk (r−s−1) mod N to rank r+1, receives chunk "
+            "(r−s−2) mod N from rank r−1 and adds its own share of it; post each step's send and receive together "
+            "(exchange), and leave the input tensor unchanged")
+def ring_reduce_scatter(fn):
+    """`fn(tensor, group)` on every rank of `group`: this rank's chunk of the sum over ranks (1-D, new)."""
+    import torch
+
+    cases = _rs_cases(_rng())
+    per_rank = _on_ranks(_run_reduce_scatter, fn, cases, "reduce-scatter")
+    for i, case in enumerate(cases):
+        n = case["n"]
+        total = sum(_rs_input(case, r) for r in range(n)).reshape(-1)  # (S,) exact: small integers
+        for rank in range(n):
+            got, changed = per_rank[rank][i]
+            what = f"world size {n}, input of shape {case['shape']}: rank {rank}'s chunk"
+            if not isinstance(got, torch.Tensor):
+                raise Mismatch(f"{what}: got {got}, expected a tensor")
+            want = total.tensor_split(n)[rank]  # (S/N,)
+            if case["tagged"] and not (got.shape == want.shape and torch.equal(got, want)):
+                known = _rs_diagnosis(got, case, rank)
+                if known:
+                    raise Mismatch(f"{what}: {known}")
+            if got.shape != want.shape:
+                sizes = [len(c) for c in total.tensor_split(n)]
+                raise Mismatch(f"{what}: got shape {tuple(got.shape)}, expected {tuple(want.shape)} (a 1-D chunk of "
+                               f"torch.tensor_split: sizes {sizes} for {total.numel()} elements on {n} ranks)")
+            assert_close(got, want, what=what, rtol=0, atol=0)  # integer values: every order of sums is exact
+            if changed:
+                raise Mismatch(f"{what} is right, but the input tensor was changed: a reduce-scatter leaves its "
+                               "input as it was (add into new tensors, e.g. received + chunk, not chunk.add_)")
+
+
+# --- 4.2: ring all-gather -----------------------------------------------------------------------------------
+
+def _ag_input(case: dict, rank: int):
+    """Rank `rank`'s chunk: element j is 1000·(rank + 1) + j (j < 1000), or random integers, float32."""
+    import torch
+
+    numel = case["sizes"][rank]
+    if case["tagged"]:
+        return (1000 * (rank + 1) + torch.arange(numel)).float()
+    g = torch.Generator().manual_seed(case["seed"] * 31 + rank)
+    return torch.randint(-8, 9, (numel,), generator=g).float()
+
+
+def _ag_cases(rng: random.Random) -> list[dict]:
+    from llmlab.dist.collectives import chunk_sizes
+
+    cases = []
+    for n in WORLD_SIZES:
+        seed = rng.randrange(1 << 30)
+        totals = [3 * n + 1, 1, n - 1, rng.choice([k for k in range(n + 1, 60) if k % n]), rng.randint(1000, 5000)]
+        for i, total in enumerate(totals):
+            cases.append({"n": n, "sizes": chunk_sizes(total, n), "tagged": i == 0, "seed": seed + i})
+        cases.append({"n": n, "sizes": [rng.randint(0, 40) for _ in range(n)], "tagged": True, "seed": seed + 9})
+    return cases
+
+
+def _run_all_gather(fn, cases) -> list:
+    import torch
+    import torch.distributed as td
+
+    out = []
+    for case in cases:
+        member, group = _group(case["n"])
+        if not member:
+            out.append(None)
+            continue
+        rank = td.get_rank(group)
+        got = _call(fn, (_ag_input(case, rank), list(case["sizes"]), group),
+                    f"world size {case['n']}, rank {rank}, chunk sizes {case['sizes']}")
+        out.append(got.detach().clone() if isinstance(got, torch.Tensor) else type(got).__name__)
+    return out
+
+
+def _ag_diagnosis(got, case: dict, rank: int) -> str:
+    """Which chunk of rank `rank`'s output is wrong, and where it should have come from."""
+    n, sizes = case["n"], case["sizes"]
+    for c, part in enumerate(got.split(sizes)):
+        want = _ag_input(case, c)
+        if part.equal(want):
+            continue
+        step = (rank - c - 1) % n
+        values = part.tolist()
+        owners = {int(v) // 1000 - 1 for v in values if v == int(v) and 1000 <= v < 1000 * (n + 1)}
+        if not owners:
+            came = "it holds values no rank sent (a buffer that was never received into)"
+        elif owners - {c}:
+            came = f"it holds (part of) rank {_ranks_text(sorted(owners - {c}))}'s chunk instead"
+        else:
+            came = f"it holds only part of rank {c}'s chunk, or its elements out of place"
+        return (f"chunk {c} of rank {rank}'s output (elements {sum(sizes[:c])}…{sum(sizes[:c + 1]) - 1}) is wrong: "
+                f"{came}. Chunk {c} reaches rank {rank} at step {step} = (r−c−1) mod N, from rank {(rank - 1) % n}; "
+                f"rank r should end with chunk c at step (r−c−1) mod N — check the index you send at step s "
+                "(the chunk received at the step before, (r−s) mod N)")
+    return ""
+
+
+@check("4.2", "ring all-gather",
+       hint="start from an output holding your own chunk at its place (offsets from sizes); at step s = 0 … N−2 "
+            "send chunk (r−s) mod N of the output to rank r+1 and receive chunk (r−s−1) mod N from rank r−1 into "
+            "its place; chunks may differ in size (use sizes), and empty ones need no message")
+def ring_all_gather(fn):
+    """`fn(chunk, sizes, group)` on every rank: every rank's chunk concatenated in rank order (1-D, new)."""
+    import torch
+
+    cases = _ag_cases(_rng())
+    per_rank = _on_ranks(_run_all_gather, fn, cases, "all-gather")
+    for i, case in enumerate(cases):
+        n = case["n"]
+        want = torch.cat([_ag_input(case, r) for r in range(n)])  # (Σ sizes,)
+        for rank in range(n):
+            got = per_rank[rank][i]
+            what = f"world size {n}, chunk sizes {case['sizes']}: rank {rank}'s output"
+            if not isinstance(got, torch.Tensor):
+                raise Mismatch(f"{what}: got {got}, expected a tensor")
+            if got.shape != want.shape:
+                raise Mismatch(f"{what}: got shape {tuple(got.shape)}, expected {tuple(want.shape)} (every rank's "
+                               "chunk, concatenated)")
+            if case["tagged"] and not torch.equal(got, want):
+                raise Mismatch(f"{what}: {_ag_diagnosis(got, case, rank)}")
+            assert_close(got, want, what=what, rtol=0, atol=0)  # copies: exact
+
+
+# --- 4.3: gradient accumulation with the right scale --------------------------------------------------------
+
+def _accumulation_case(rng: random.Random):
+    import torch
+
+    k, rows, d_in = rng.randint(2, 6), rng.randint(1, 6), rng.randint(2, 9)
+    seed = rng.randrange(1 << 30)
+
+    def model():
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(d_in, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2)).double()
+
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(k * rows, d_in, generator=g, dtype=torch.float64)  # (k·rows, d_in)
+    y = torch.randn(k * rows, 2, generator=g, dtype=torch.float64)  # (k·rows, 2)
+    batches = list(zip(x.split(rows), y.split(rows), strict=True))  # k micro-batches
+    return k, model, batches
+
+
+def _mse(model, batch):
+    import torch
+
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)  # the mean over the micro-batch
+
+
+@check("4.3", "gradient accumulation",
+       hint="zero the gradients first (model.zero_grad()), then for each of the k micro-batches call "
+            "(loss_fn(model, batch) / k).backward(): .grad adds the k gradients up, so each must count 1/k")
+def accumulate(fn):
+    """`fn(model, loss_fn, batches)`: leaves in `.grad` the gradient of the mean loss over all micro-batches."""
+    import torch
+
+    from llmlab.accumulate import accumulate_gradients
+
+    rng = _rng()
+    for trial in range(3):
+        k, make_model, batches = _accumulation_case(rng)
+        reference = make_model()
+        accumulate_gradients(reference, _mse, batches)  # the large-batch gradient (equal micro-batches)
+        model = make_model()
+        stale = None
+        if trial:  # gradients left from an earlier step: the answer must not add to them
+            _mse(model, batches[0]).backward()
+            stale = [p.grad.clone() for p in model.parameters()]
+        fn(model, _mse, batches)
+        what = f"{k} micro-batches of {len(batches[0][0])} rows"
+        for i, ((name, p), (_, ref)) in enumerate(zip(model.named_parameters(), reference.named_parameters(),
+                                                     strict=True)):
+            if p.grad is None:
+                raise Mismatch(f"{what}: {name}.grad is None: no backward reached it")
+            if torch.allclose(p.grad, k * ref.grad, rtol=1e-9, atol=1e-12) and not torch.allclose(p.grad, ref.grad):
+                raise Mismatch(f"{what}: {name}.grad is {k}× the large-batch gradient: the loss of each micro-batch "
+                               f"must be divided by k = {k} (the missing division of the material's snippet)")
+            if stale is not None and torch.allclose(p.grad, ref.grad + stale[i], rtol=1e-9, atol=1e-12):
+                raise Mismatch(f"{what}: {name}.grad still holds the gradient of an earlier backward added to the "
+                               "new one: zero the gradients before accumulating")
+            # float64: the same sums in another order differ by ~1e-16 relative; a real mistake is O(1) off
+            assert_close(p.grad, ref.grad, what=f"{what}: {name}.grad", rtol=1e-9, atol=1e-12)
+
+
+# --- 4.4: the α-β time of a ring all-reduce -----------------------------------------------------------------
+
+@check("4.4", "the α-β time of a ring all-reduce",
+       hint="2(N−1) steps (N−1 of reduce-scatter, N−1 of all-gather), each one message of S/N bytes: "
+            "t = 2(N−1)·α + 2(N−1)/N · S · β")
+def ring_time(fn):
+    """`fn(nbytes, n, alpha, beta)`: seconds of a ring all-reduce of `nbytes` on `n` ranks."""
+    from llmlab.dist import cost
+
+    rng = _rng()
+    cases = [(0, 8, 5e-6, 1e-10), (1e6, 1, 5e-6, 1e-10), (64e6, 2, 0.0, 1 / 25e9)]
+    cases += [(rng.uniform(1e3, 1e10), rng.randint(2, 1024), rng.uniform(1e-7, 1e-4), 1 / rng.uniform(1e9, 5e11))
+              for _ in range(6)]
+    for nbytes, n, alpha, beta in cases:
+        what = f"ring_allreduce_time(nbytes={nbytes:.4g}, n={n}, alpha={alpha:.3g}, beta={beta:.3g})"
+        try:
+            got = float(fn(nbytes, n, alpha, beta))
+        except (TypeError, ValueError):
+            raise Mismatch(f"{what} returned {fn(nbytes, n, alpha, beta)!r}; expected a number of seconds") from None
+        want = cost.ring_allreduce_time(nbytes, n, alpha, beta)
+        if math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-18):
+            continue
+        diagnosis = [  # the first that matches is named
+            (cost.reduce_scatter_time(nbytes, n, alpha, beta), "half: that is the reduce-scatter alone; an all-reduce "
+                                                               "adds an all-gather of as many steps"),
+            (2 * (n - 1) * alpha + 2 * (n - 1) * nbytes * beta, "each step sends S/N bytes, not all S"),
+            (2 * n * alpha + 2 * nbytes * beta, "N−1 steps per phase, not N"),
+            (2 * (n - 1) * (alpha + nbytes * beta / n) / n, "the latency is paid once per step: 2(N−1)·α"),
+        ]
+        known = next((d for value, d in diagnosis if math.isclose(got, value, rel_tol=1e-9)), None)
+        raise Mismatch(f"{what} = {got:.6g} s, expected {want:.6g} s" + (f": {known}" if known else ""))

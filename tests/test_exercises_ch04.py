@@ -1,0 +1,163 @@
+"""Chapter 4's exercise checks (llmlab.exercises.ch04): each passes a right answer, reports an unwritten one as
+not attempted (for the ring, a NotImplementedError raised on the ranks), and fails a plausible wrong answer with a
+message naming the mistake — an off-by-one chunk index, a missing step, a missing division — and the hint.
+
+The ring answers below are written the way a learner would, with `exchange` (send right and receive left
+together), and run on the checks' own 5 gloo ranks, which the module fixture stops at the end.
+"""
+
+import re
+
+import pytest
+import torch
+import torch.distributed as td
+
+from llmlab.dist import cost
+from llmlab.dist.commlog import exchange
+from llmlab.exercises import ch04
+from llmlab.exercises.checks import ExerciseFailed
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ranks():
+    yield
+    ch04.close()
+
+
+def passes(check, answer, capsys):
+    check(answer)
+    assert "passed" in capsys.readouterr().out
+
+
+def not_attempted(check, answer, capsys):
+    check(answer)
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+def fails(check, answer, match: str, hint: str) -> str:
+    with pytest.raises(ExerciseFailed) as info:
+        check(answer)
+    message = str(info.value)
+    assert "failed" in message and "Hint:" in message and hint in message, message
+    assert re.search(match, message), message
+    return message
+
+
+def unwritten(*args):
+    raise NotImplementedError("Exercise 4.x")
+
+
+# --- 4.1 ----------------------------------------------------------------------------------------------------
+
+def reduce_scatter(tensor, group=None, shift=0, add_own=True):
+    """The ring reduce-scatter; `shift` moves every chunk index (an off-by-one), `add_own=False` forgets to add
+    this rank's share to what it receives."""
+    rank, n = td.get_rank(group), td.get_world_size(group)
+    chunks = tensor.reshape(-1).tensor_split(n)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    running = chunks[(rank - 1 + shift) % n].clone()
+    for step in range(n - 1):
+        c = (rank - step - 2 + shift) % n
+        incoming = torch.empty_like(chunks[c])
+        exchange(sends=[(running, right)], recvs=[(incoming, left)], group=group)
+        running = incoming + chunks[c] if add_own else incoming
+    return running
+
+
+def test_ring_reduce_scatter(capsys):
+    passes(ch04.ring_reduce_scatter, reduce_scatter, capsys)
+    not_attempted(ch04.ring_reduce_scatter, unwritten, capsys)
+    message = fails(ch04.ring_reduce_scatter, lambda t, g=None: reduce_scatter(t, g, shift=1),
+                    match=r"rank \d ended with \(part of\) chunk \d, not chunk \d: the chunk index is off by 1",
+                    hint="rank r should end with chunk r")
+    assert "check the index you send at step s" in message
+    fails(ch04.ring_reduce_scatter, lambda t, g=None: reduce_scatter(t, g, add_own=False),
+          match=r"holds the shares of ranks .* only", hint="adds its own share")
+
+
+def test_ring_reduce_scatter_that_changes_its_input_fails(capsys):
+    def in_place(tensor, group=None):
+        rank, n = td.get_rank(group), td.get_world_size(group)
+        chunks = tensor.reshape(-1).tensor_split(n)
+        for step in range(n - 1):
+            c = (rank - step - 2) % n
+            incoming = torch.empty_like(chunks[c])
+            exchange(sends=[(chunks[(c + 1) % n], (rank + 1) % n)], recvs=[(incoming, (rank - 1) % n)], group=group)
+            chunks[c].add_(incoming)  # right sums, but into the caller's tensor
+        return chunks[rank].clone()
+
+    fails(ch04.ring_reduce_scatter, in_place, match="the input tensor was changed", hint="leave the input")
+
+
+def test_a_deadlock_and_an_error_on_the_ranks_fail_with_a_message(capsys, monkeypatch):
+    def receive_only(tensor, group=None):  # every rank waits for a message nobody sends
+        n = td.get_world_size(group)
+        exchange(recvs=[(torch.empty(1), (td.get_rank(group) - 1) % n)], group=group)
+
+    monkeypatch.setattr(ch04, "TIMEOUT_S", 3.0)
+    fails(ch04.ring_reduce_scatter, receive_only, match="did not finish within 3 s", hint="exchange")
+    fails(ch04.ring_reduce_scatter, lambda t, g=None: t.no_such_method(),
+          match="on rank 0, your function raised AttributeError: .*no_such_method.*world size 2",
+          hint="rank r should end with chunk r")
+    passes(ch04.ring_reduce_scatter, reduce_scatter, capsys)  # the ranks were restarted
+
+
+# --- 4.2 ----------------------------------------------------------------------------------------------------
+
+def all_gather(chunk, sizes, group=None, shift=0):
+    rank, n = td.get_rank(group), td.get_world_size(group)
+    out = torch.empty(sum(sizes), dtype=chunk.dtype)
+    parts = out.split(sizes)
+    parts[rank].copy_(chunk)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(n - 1):
+        exchange(sends=[(parts[(rank - step + shift) % n], right)], recvs=[(parts[(rank - step - 1) % n], left)],
+                 group=group)
+    return out
+
+
+def test_ring_all_gather(capsys):
+    passes(ch04.ring_all_gather, all_gather, capsys)
+    not_attempted(ch04.ring_all_gather, unwritten, capsys)
+    message = fails(ch04.ring_all_gather, lambda c, s, g=None: all_gather(c, s, g, shift=-1),
+                    match=r"chunk \d of rank \d's output .* is wrong|a message of \d+ bytes arrived where it expected",
+                    hint="send chunk (r−s) mod N")
+    assert "check the index you send at step s" in message
+    fails(ch04.ring_all_gather, lambda c, s, g=None: torch.cat([c] * td.get_world_size(g)),
+          match=r"got shape|is wrong", hint="use sizes")
+
+
+# --- 4.3 ----------------------------------------------------------------------------------------------------
+
+def accumulate(model, loss_fn, batches):
+    model.zero_grad()
+    for batch in batches:
+        (loss_fn(model, batch) / len(batches)).backward()
+
+
+def test_accumulate(capsys):
+    passes(ch04.accumulate, accumulate, capsys)
+    not_attempted(ch04.accumulate, unwritten, capsys)
+
+    def snippet(model, loss_fn, batches):  # the material's loop: no division
+        model.zero_grad()
+        for batch in batches:
+            loss_fn(model, batch).backward()
+
+    fails(ch04.accumulate, snippet, match=r"is \d× the large-batch gradient: .* divided by k", hint="/ k")
+
+    def no_zeroing(model, loss_fn, batches):
+        for batch in batches:
+            (loss_fn(model, batch) / len(batches)).backward()
+
+    fails(ch04.accumulate, no_zeroing, match="gradient of an earlier backward", hint="zero the gradients")
+
+
+# --- 4.4 ----------------------------------------------------------------------------------------------------
+
+def test_ring_time(capsys):
+    passes(ch04.ring_time, cost.ring_allreduce_time, capsys)
+    not_attempted(ch04.ring_time, unwritten, capsys)
+    fails(ch04.ring_time, cost.reduce_scatter_time, match="the reduce-scatter alone", hint="2(N−1)")
+    fails(ch04.ring_time, lambda s, n, a, b: 2 * (n - 1) * (a + s * b), match="S/N bytes, not all S", hint="2(N−1)")
+    fails(ch04.ring_time, lambda s, n, a, b: "fast", match="expected a number", hint="2(N−1)")
