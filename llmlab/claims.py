@@ -47,7 +47,8 @@ CLAIM_MODULES: tuple[str, ...] = ("llmlab.flops", "llmlab.sparsity", "llmlab.har
                                    "llmlab.precision", "llmlab.parallel.data", "llmlab.parallel.tensor",
                                    "llmlab.lora", "llmlab.moe", "llmlab.quant",
                                    "llmlab.memory.checkpoint", "llmlab.memory.planner", "llmlab.memory.compress",
-                                   "llmlab.dist.bench", "llmlab.accumulate", "llmlab.dist.cost")
+                                   "llmlab.dist.bench", "llmlab.accumulate", "llmlab.dist.cost",
+                                   "llmlab.hardware.material")
 
 REFERENCE_PATH = Path(__file__).resolve().parent / "CLAIMS.md"
 
