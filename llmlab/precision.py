@@ -155,10 +155,9 @@ def representation(value: float) -> dict[str, dict]:
 
 # --- measured: step time per precision (`llmlab bench precision`), and the course text's claims C7, C8 -------
 
-def _step_time(precision: str, preset: str, batch_size: int, steps: int) -> float:
-    """Median seconds of one training step of the GPT `preset` in `precision` on this tier's device."""
+def _step(precision: str, preset: str, batch_size: int):
+    """One training step of a fresh GPT `preset` in `precision` on this tier's device, as a function."""
     from llmlab import runtime
-    from llmlab.bench import median_seconds
     from llmlab.data import MarkovSource, SyntheticDataset
     from llmlab.model import GPT, GPTConfig
 
@@ -173,30 +172,38 @@ def _step_time(precision: str, preset: str, batch_size: int, steps: int) -> floa
         def step():
             mp.backward(model(x, y)[1])
             mp.step()
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        return step
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-        def step():
-            with autocast(precision, device):
-                loss = model(x, y)[1]
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    return median_seconds(step, device=device, repeats=steps, warmup=2)
+    def step():
+        with autocast(precision, device):
+            loss = model(x, y)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
 
 
 def bench(preset: str | None = None, batch_size: int | None = None, steps: int = 5) -> list[dict]:
-    """Training-step time of the GPT in bf16 (autocast) and fp16 (+ loss scaler, fp32 masters) vs fp32."""
+    """Training-step time of the GPT in bf16 (autocast) and fp16 (+ loss scaler, fp32 masters) vs fp32.
+
+    The three run in turn, step by step (`llmlab.bench.compare`), so a busy spell of the machine slows all
+    of them alike.
+    """
     from llmlab import runtime
+    from llmlab.bench import compare
 
     p = runtime.preset()
     preset, batch_size = preset or p.model, batch_size or p.batch_size
-    fp32 = _step_time("fp32", preset, batch_size, steps)
+    fp32 = _step("fp32", preset, batch_size)
+    fp32()  # warm-up: allocator growth, first-call dispatch
     rows = []
     for name, label in (("bf16", "bf16 autocast"), ("fp16", "fp16 + loss scaler")):
-        t = _step_time(name, preset, batch_size, steps)
+        step = _step(name, preset, batch_size)
+        step()
+        times = compare(step, fp32, device=runtime.device(), repeats=steps)
         rows.append({"impl": f"{label} step", "peer": "fp32 step", "size": f"{preset} B={batch_size}",
-                     "impl_ms": t * 1e3, "peer_ms": fp32 * 1e3, "ratio": t / fp32, "speed-up": fp32 / t})
+                     **times, "speed-up": 1 / times["ratio"]})
     return rows
 
 
