@@ -164,7 +164,7 @@ def _both_ddps():
 def _claim_data_parallel() -> claims.Measurement:
     from llmlab import dist
 
-    results = dist.spawn(_both_ddps, 2, timeout=120)
+    results = dist.spawn(_both_ddps, 2, timeout=120, backend="gloo")  # CPU tensors, on any tier
     diff = max((a - b).abs().max().item() for ours, theirs in results for a, b in zip(ours, theirs, strict=True))
     legacy = torch.nn.DataParallel(torch.nn.Linear(2, 2))
     replicas = len(legacy.device_ids)  # the GPUs nn.DataParallel would copy the model to on every forward

@@ -199,16 +199,17 @@ def pipeline_step(stage: torch.nn.Module, batch: torch.Tensor | None, target: to
                          f"micro_batches={micro_batches}")
     if last and target is None:
         raise ValueError("the last stage needs the target")
-    inputs = batch.chunk(micro_batches) if first else None
+    # copies, not views: a view shares the whole batch's storage, which SavedActivations counts in full
+    inputs = [c.clone() for c in batch.chunk(micro_batches)] if first else None
     targets = target.chunk(micro_batches) if last else None
     held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (input, output) kept for backward
     held_bytes: dict[int, int] = {}  # micro-batch -> bytes of activations autograd saved for its backward
     pending, events, total_loss = [], [], 0.0
     peak = peak_bytes = 0
     for a in schedule(kind, p, micro_batches)[rank]:
-        start = time.perf_counter()
-        if a.kind == "F":
+        if a.kind == "F":  # each action's clock starts once its input is here: waiting is the bubble
             x = inputs[a.micro_batch] if first else _recv(to_global(rank - 1), dtype, group).requires_grad_()
+            start = time.perf_counter()
             with SavedActivations() as saved:  # what autograd keeps for this micro-batch's backward
                 y = stage(x)
             if last:
@@ -223,6 +224,7 @@ def pipeline_step(stage: torch.nn.Module, batch: torch.Tensor | None, target: to
             x, y = held.pop(a.micro_batch)
             del held_bytes[a.micro_batch]
             grad = None if last else _recv(to_global(rank + 1), dtype, group)
+            start = time.perf_counter()
             y.backward(grad)
             if not first:
                 pending += _send(x.grad, to_global(rank - 1), group)

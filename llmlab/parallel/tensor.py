@@ -253,7 +253,7 @@ def _column_parallel_matches():
 def _claim_column_parallel() -> claims.Measurement:
     from llmlab import dist
 
-    diff = max(dist.spawn(_column_parallel_matches, 2, timeout=120))
+    diff = max(dist.spawn(_column_parallel_matches, 2, timeout=120, backend="gloo"))  # CPU tensors
     return claims.Measurement(
         value=diff, unit="max abs difference",
         text=(f"the course's snippet has no super().__init__(), no forward, no split and no communication; "
