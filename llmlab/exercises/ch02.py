@@ -21,9 +21,9 @@ instead of the mean, the backward all-reduce forgotten, the scale grown on an ov
 
 from __future__ import annotations
 
-import atexit
 import random
 
+from llmlab.exercises import checks
 from llmlab.exercises.checks import Mismatch, assert_close, check
 
 __all__ = ["average_gradients", "column_parallel_linear", "update_scale", "cluster", "close_cluster", "WORLD_SIZE",
@@ -34,26 +34,15 @@ WORLD_SIZE = 4
 PARTITIONS = ((0, 1, 2, 3),), ((0, 1), (2, 3)), ((0, 1, 2), (3,))
 TIMEOUT_S = 60.0  # one call on the ranks; a correct answer takes milliseconds
 
-_cluster = None
+
 
 
 def cluster():
-    """The checks' Cluster of WORLD_SIZE ranks: started on first use, then reused; closed at interpreter exit."""
-    global _cluster
-    if _cluster is None:
-        from llmlab import dist
-
-        _cluster = dist.Cluster(WORLD_SIZE, backend="gloo")  # CPU tensors on any machine, GPUs or not
-        atexit.register(close_cluster)
-    return _cluster
+    """The checks' Cluster of WORLD_SIZE ranks (shared with other chapters' checks; see checks.cluster)."""
+    return checks.cluster(WORLD_SIZE)
 
 
-def close_cluster() -> None:
-    """Stop the checks' ranks now (the next multi-rank check starts new ones)."""
-    global _cluster
-    if _cluster is not None:
-        _cluster.close()
-        _cluster = None
+close_cluster = checks.close_clusters
 
 
 def _rng() -> random.Random:

@@ -27,11 +27,11 @@ range), then trains one step of the tiny GPT under the hooks: forward unchanged,
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import math
 import random
 
+from llmlab.exercises import checks
 from llmlab.exercises.checks import Mismatch, assert_close, check
 
 __all__ = ["adamw_shard_step", "checkpoint", "pack_hooks", "close", "WORLD_SIZES", "MAX_BYTES_RATIO",
@@ -47,7 +47,6 @@ MAX_BYTES_RATIO = 0.35
 # size, while truncated codes (≈ 5×) or a missing offset are outside (and caught by the round trip first).
 GRAD_ERROR_FACTOR = 4.0
 
-_cluster = None  # in the checking process: the Cluster, once started
 _groups: dict = {}  # on the ranks: world size -> its process group (None on ranks outside it)
 
 
@@ -55,22 +54,11 @@ def _rng() -> random.Random:
     return random.Random()  # fresh inputs on every run: an answer cannot be tuned to fixed cases
 
 
-def close() -> None:
-    """Stop the checks' ranks (they are also stopped when Python exits)."""
-    global _cluster
-    if _cluster is not None:
-        _cluster.close()
-        _cluster = None
+close = checks.close_clusters  # stop the checks' ranks now (they also stop at interpreter exit)
 
 
 def _ranks():
-    global _cluster
-    if _cluster is None:
-        from llmlab import dist
-
-        _cluster = dist.Cluster(max(WORLD_SIZES))
-        atexit.register(close)
-    return _cluster
+    return checks.cluster(max(WORLD_SIZES))
 
 
 # --- 3.1: ZeRO-1's sharded AdamW step ----------------------------------------------------------------------------

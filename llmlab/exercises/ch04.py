@@ -28,11 +28,11 @@ after `TIMEOUT_S` and reported as such; the next check starts fresh ranks.
 
 from __future__ import annotations
 
-import atexit
 import math
 import random
 import re
 
+from llmlab.exercises import checks
 from llmlab.exercises.checks import Mismatch, assert_close, check
 
 __all__ = ["ring_reduce_scatter", "ring_all_gather", "accumulate", "ring_time", "close", "WORLD_SIZES",
@@ -40,7 +40,6 @@ __all__ = ["ring_reduce_scatter", "ring_all_gather", "accumulate", "ring_time", 
 
 WORLD_SIZES = (2, 3, 4, 5)
 TIMEOUT_S = 30.0  # the reference answers all cases in well under a second; more means a rank is stuck
-_cluster = None  # in the checking process: the Cluster, once started
 _groups: dict = {}  # on the ranks: world size → its process group (None: the default group)
 
 
@@ -48,22 +47,11 @@ def _rng() -> random.Random:
     return random.Random()  # fresh cases on every run: an answer cannot be tuned to fixed inputs
 
 
-def close() -> None:
-    """Stop the checks' ranks (they are also stopped when Python exits)."""
-    global _cluster
-    if _cluster is not None:
-        _cluster.close()
-        _cluster = None
+close = checks.close_clusters  # stop the checks' ranks now (they also stop at interpreter exit)
 
 
 def _ranks():
-    global _cluster
-    if _cluster is None:
-        from llmlab import dist
-
-        _cluster = dist.Cluster(max(WORLD_SIZES), backend="gloo")
-        atexit.register(close)
-    return _cluster
+    return checks.cluster(max(WORLD_SIZES))
 
 
 class LearnerError(RuntimeError):

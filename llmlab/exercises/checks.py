@@ -31,6 +31,7 @@ report a wrong answer by raising :class:`Mismatch` with what differs, or let :fu
 
 from __future__ import annotations
 
+import atexit
 import functools
 import re
 from dataclasses import asdict, dataclass
@@ -192,3 +193,25 @@ def _sentence(text: str) -> str:
     """One line ending in punctuation: newlines in a message would break the one-line report."""
     text = re.sub(r"\s*\n\s*", " ", text.strip())
     return text if text.endswith((".", "!", "?")) else text + "."
+
+
+_clusters: dict = {}  # world size -> the Cluster the multi-rank checks share
+
+
+def cluster(world_size: int):
+    """A gloo `llmlab.dist.Cluster` of `world_size` ranks for multi-rank checks: started on first use, shared by
+    every chapter's checks, stopped by `close_clusters()` or at interpreter exit. gloo, because the checks'
+    tensors are CPU tensors on any machine, GPUs or not."""
+    if world_size not in _clusters:
+        from llmlab import dist
+
+        if not _clusters:
+            atexit.register(close_clusters)
+        _clusters[world_size] = dist.Cluster(world_size, backend="gloo")
+    return _clusters[world_size]
+
+
+def close_clusters() -> None:
+    """Stop the checks' ranks now (the next multi-rank check starts new ones)."""
+    while _clusters:
+        _clusters.popitem()[1].close()
