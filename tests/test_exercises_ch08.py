@@ -127,6 +127,14 @@ def test_top2_router(capsys):
     fails(ch08.top2_router, lambda x: top2_route(x)[:2], match="expected a triple", hint="softmax")
 
 
+def test_top2_router_names_a_wrong_balance_loss_when_only_its_gradient_differs(monkeypatch):
+    """Nearly equal logits for two experts make E·Σ Pᵢ² equal 1 to within 1e-4 (CI once drew such a case): the
+    mistake must still be named, from the gradient."""
+    monkeypatch.setattr(ch08, "_router_cases", lambda rng: [(1, 2, 1e-3)])
+    fails(ch08.top2_router, lambda x: top2_route(x, f_from="probabilities"), match="gradient of a different loss: "
+          "fᵢ taken from the router probabilities", hint="a count")
+
+
 # --- 8.3: LSQ -------------------------------------------------------------------------------------------------
 
 def lsq(v, step, bits, g_from="N·Q_P", ste=True):

@@ -230,8 +230,25 @@ def top2_router(fn):
             raise Mismatch(f"{what}: {'balance_loss' if not balance.requires_grad else 'gate'} has no gradient w.r.t. "
                            "the logits: the router learns through both (don't detach the probabilities)")
         (gate * weights).sum().add(balance).backward()
-        assert_close(logits.grad, ref_logits.grad, what=f"{what}: d(gate·w + balance_loss)/dlogits",
-                     rtol=1e-4, atol=1e-6)  # fp32 softmax gradients, summed in other orders
+        grad_close = dict(rtol=1e-4, atol=1e-6)  # fp32 softmax gradients, summed in other orders
+        if not torch.allclose(logits.grad, ref_logits.grad, **grad_close):
+            _diagnose_balance_gradient(logits.grad, logits.detach(), ref, weights, grad_close, what)
+        assert_close(logits.grad, ref_logits.grad, what=f"{what}: d(gate·w + balance_loss)/dlogits", **grad_close)
+
+
+def _diagnose_balance_gradient(grad, logits, ref, weights, grad_close, what: str) -> None:
+    """Name the mistake whose gradient the answer has. With near-uniform routing a wrong balance loss can equal
+    the right one in value (E·Σ Pᵢ² = 1 + O((p₀ − p₁)²) for two experts) while its gradient still differs."""
+    import torch
+
+    from llmlab.moe import route
+
+    for why in _balance_variants(logits, ref.expert):
+        x = logits.clone().requires_grad_(True)  # (T, E)
+        routing = route(x, 2, None)
+        (routing.gate * weights).sum().add(_balance_variants(x, routing.expert)[why]).backward()
+        if torch.allclose(grad, x.grad, **grad_close):
+            raise Mismatch(f"{what}: balance_loss has the gradient of a different loss: {why}")
 
 
 # --- 8.3: LSQ's forward and its step-size gradient -------------------------------------------------------------
