@@ -22,13 +22,13 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["BENCHES", "names", "get", "median_seconds", "compare", "record", "format_table", "run"]
+__all__ = ["BENCHES", "names", "get", "synchronize", "median_seconds", "compare", "record", "format_table", "run"]
 
 # name -> "module:function". A new bench adds one line here; its module is imported only when it runs.
 BENCHES: dict[str, str] = {
     "vector_add": "llmlab.kernels.vector_add:bench",
     "gemm": "llmlab.kernels.gemm:bench",
-    "quant": "llmlab.kernels.quantize:bench",
+    "quant": "llmlab.quant:bench",
     "precision": "llmlab.precision:bench",
     "checkpoint": "llmlab.memory.checkpoint:bench",
     "compress": "llmlab.memory.compress:bench",
@@ -50,7 +50,8 @@ def get(name: str):
     return getattr(importlib.import_module(module), function)
 
 
-def _synchronize(device) -> None:
+def synchronize(device) -> None:
+    """Wait for `device`'s queued work (CUDA kernels run asynchronously); nothing to wait for on the CPU."""
     import torch
 
     if device is not None and torch.device(device).type == "cuda":
@@ -69,12 +70,12 @@ def median_seconds(fn, *, device=None, repeats: int = 5, warmup: int = 1) -> flo
         raise ValueError(f"warmup={warmup} must be >= 0")
     for _ in range(warmup):
         fn()
-    _synchronize(device)
+    synchronize(device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        _synchronize(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 
 from llmlab import claims
 
-__all__ = ["MinMaxQuantizer", "LSQQuantizer", "QConfig", "QuantLinear", "quantize_model", "train_losses"]
+__all__ = ["MinMaxQuantizer", "LSQQuantizer", "QConfig", "QuantLinear", "quantize_model", "train_losses",
+           "BENCH_CONFIGS", "bench"]
 
 _EPS = torch.finfo(torch.float32).eps  # the smallest scale allowed, as PyTorch's observers do
 
@@ -302,6 +303,15 @@ def train_losses(quant_config: QConfig | None, steps: int = 100, seed: int = 0, 
     """Train the tiny GPT (quantized with `quant_config`, or in plain fp32 for None) on the order-1 Markov
     source with AdamW for `steps` steps; the loss of every step. The same seed gives both runs the same
     initial weights and batches, so the curves differ only by quantization."""
+    return _train(quant_config, steps, seed, lr, batch_size, block_size)[0]
+
+
+def _train(quant_config: QConfig | None, steps: int, seed: int, lr: float, batch_size: int, block_size: int,
+           device: str | torch.device = "cpu") -> tuple[list[float], list[float]]:
+    """`train_losses` on `device`, with the wall time of every step (synchronised on a GPU) beside each loss."""
+    import time
+
+    from llmlab.bench import synchronize
     from llmlab.data import MarkovSource, SyntheticDataset
     from llmlab.model import GPT, GPTConfig
 
@@ -311,17 +321,53 @@ def train_losses(quant_config: QConfig | None, steps: int = 100, seed: int = 0, 
     model = GPT(GPTConfig.preset("tiny", block_size=block_size))
     if quant_config is not None:
         quantize_model(model, quant_config)
+    model.to(device)
     data = SyntheticDataset(MarkovSource(vocab_size=64, seed=seed), batch_size=batch_size, block_size=block_size,
                             seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
+    losses, seconds = [], []
     for _ in range(steps):
-        loss = model(*data.next_batch())[1]
+        start = time.perf_counter()
+        x, y = (t.to(device) for t in data.next_batch())  # (B, T) each
+        loss = model(x, y)[1]
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
         losses.append(loss.item())
-    return losses
+    return losses, seconds
+
+
+# the bench's quantized configurations: weights 8 or 4 bits (LSQ, learned step), activations 8 bits (MinMax)
+BENCH_CONFIGS = {"W8A8": lambda: QConfig(activation=MinMaxQuantizer(bits=8), weight=LSQQuantizer(bits=8)),
+                 "W4A8": lambda: QConfig(activation=MinMaxQuantizer(bits=8), weight=LSQQuantizer(bits=4))}
+
+
+def bench(steps: int = 100, batch_size: int = 8, block_size: int = 64, kernel_sizes=None) -> list[dict]:
+    """`llmlab bench quant`: the Triton int8 kernels' rows (`llmlab.kernels.quantize.bench`), then one row per
+    `BENCH_CONFIGS` entry: the tiny GPT trained `steps` AdamW steps quantization-aware vs in fp32 from the same
+    weights and batches — median step time of each (impl_ms vs peer_ms, the first 3 steps left out as warm-up)
+    and the loss gap, each run's mean loss over its last 10 steps (fresh batches: a held-out loss)."""
+    from llmlab import runtime
+    from llmlab.kernels import quantize
+
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 13:
+        raise ValueError(f"steps={steps!r} must be an int ≥ 13 (3 warm-up steps, 10 averaged)")
+    device = runtime.device()
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    final = lambda losses: sum(losses[-10:]) / 10  # noqa: E731
+    args = (steps, 0, 3e-3, batch_size, block_size, device)
+    fp32_losses, fp32_seconds = _train(None, *args)
+    rows = quantize.bench(kernel_sizes)
+    for name, make in BENCH_CONFIGS.items():
+        losses, seconds = _train(make(), *args)
+        impl_ms, peer_ms = median(seconds[3:]) * 1e3, median(fp32_seconds[3:]) * 1e3
+        rows.append({"impl": f"{name} QAT step (fake-quantized)", "peer": "fp32 step",
+                     "size": f"tiny GPT B={batch_size} T={block_size}, {steps} steps", "impl_ms": impl_ms,
+                     "peer_ms": peer_ms, "ratio": impl_ms / peer_ms, "loss": final(losses),
+                     "peer_loss": final(fp32_losses), "loss_gap": final(losses) - final(fp32_losses)})
+    return rows
 
 
 # --- claim C21: "train with 4/8-bit integers" ---------------------------------------------------------------

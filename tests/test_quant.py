@@ -184,6 +184,25 @@ def test_w4a8_tiny_gpt_trains_about_as_well_as_fp32(one_thread):
     assert final(quantized) < 1.6 and final(quantized) - final(fp32) < 0.15
 
 
+def test_bench_quant_reports_kernels_then_qat_step_time_and_loss_gap(one_thread):
+    """`llmlab bench quant`'s rows: the two int8 kernels, then W8A8 and W4A8 training against fp32 from the same
+    start. 13 steps of 4 × 16 tokens keep it short; the loss gap is each row's loss minus fp32's, as recorded."""
+    import json
+
+    from llmlab import bench
+
+    assert bench.BENCHES["quant"] == "llmlab.quant:bench"
+    rows = bench.get("quant")(steps=13, batch_size=4, block_size=16, kernel_sizes=[(8, 64)])
+    assert [r["impl"].split()[0] for r in rows] == ["triton", "triton", "W8A8", "W4A8"]
+    qat = rows[2:]
+    assert all(r["impl_ms"] > 0 and r["peer_ms"] > 0 and r["ratio"] == r["impl_ms"] / r["peer_ms"] for r in qat)
+    assert qat[0]["peer_loss"] == qat[1]["peer_loss"]  # one fp32 run is the peer of both
+    assert all(r["loss_gap"] == r["loss"] - r["peer_loss"] and 0 < r["loss"] < math.log(64) + 0.5 for r in qat)
+    json.dumps(bench.record("quant", rows))  # the record is serialisable
+    with pytest.raises(ValueError, match=r"steps=5 must be an int ≥ 13"):
+        bench.get("quant")(steps=5)
+
+
 @pytest.mark.parametrize("make,match", [
     (lambda: MinMaxQuantizer(bits=1), r"bits=1 must be an int in \[2, 16\]"),
     (lambda: LSQQuantizer(bits=17), r"bits=17 must be an int in \[2, 16\]"),
