@@ -48,7 +48,8 @@ CLAIM_MODULES: tuple[str, ...] = ("llmlab.flops", "llmlab.sparsity", "llmlab.har
                                    "llmlab.lora", "llmlab.moe", "llmlab.quant",
                                    "llmlab.memory.checkpoint", "llmlab.memory.planner", "llmlab.memory.compress",
                                    "llmlab.dist.bench", "llmlab.accumulate", "llmlab.dist.cost",
-                                   "llmlab.hardware.material")
+                                   "llmlab.hardware.material", "llmlab.train.schedule", "llmlab.train.clip",
+                                   "llmlab.diagnose.oom")
 
 REFERENCE_PATH = Path(__file__).resolve().parent / "CLAIMS.md"
 

@@ -1,0 +1,232 @@
+"""The cluster calculator: how long one training step takes on a cluster, split into compute and communication.
+
+For a model (a `GPTConfig`), a global batch of `batch_tokens` tokens per step, `gpus` GPUs of one spec-sheet type and
+a parallel layout dp × tp × pp (data, Megatron tensor, pipeline; dp·tp·pp = gpus), one step costs
+
+    compute        6·N·batch_tokens / (gpus · rate)            rate = mfu × the roofline's attainable FLOP/s of the
+                                                               layer's weight GEMMs on one GPU (the bf16 peak once
+                                                               they are compute-bound, which big ones are)
+    dp all-reduce  ring all-reduce of the gradients one GPU holds, N/(tp·pp) × bytes_per_param, over dp ranks
+    tp all-reduce  4 per layer per micro-batch (Megatron: 2 forward, 2 backward) of the (micro_tokens, n_embd)
+                   activations, ring over tp ranks, for the n_layer/pp layers of one stage
+    pp send        activations (forward) and their gradients (backward) across each stage boundary, one message each
+    pp bubble      the idle share of a GPipe / 1F1B pipeline: (p−1)/(m+p−1) of the step, i.e. (p−1)/m × the busy time
+
+Every collective is priced by `llmlab.dist.cost`'s α-β model over a link of `cost.LINKS`: `link` carries what crosses
+nodes (data-parallel gradients, pipeline activations), `tp_link` what stays inside one (tensor parallelism). Nothing
+is assumed to overlap, so the total is an upper bound; `StepTime.comm_hidden` says what overlap could hide at best.
+`mfu` is the efficiency of the arithmetic alone; the end-to-end MFU (`StepTime.mfu`) adds communication and bubble.
+
+    from llmlab.hardware import cluster
+    t = cluster.step_time(cluster.PRESETS["gpt3-175b-1024xA100"])
+    t.compute, t.comm, t.days, t.gpu_hours
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from llmlab import flops
+from llmlab.dist import cost
+from llmlab.hardware import roofline
+from llmlab.hardware.specs import SPECS
+from llmlab.memory.planner import num_params
+from llmlab.model import GPTConfig
+from llmlab.parallel.pipeline import bubble_fraction
+
+__all__ = ["ClusterConfig", "StepTime", "PRESETS", "preset", "step_time", "link_step_times", "TP_ALLREDUCES_PER_LAYER"]
+
+TP_ALLREDUCES_PER_LAYER = 4  # Megatron-LM: attention and MLP each all-reduce once forward (g) and once backward (f)
+
+
+def _int_at_least(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low}")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """One training run on one cluster (see the module docstring for what each part costs)."""
+
+    model: GPTConfig
+    tokens: float  # training tokens in all
+    batch_tokens: int  # global batch per optimizer step, in tokens
+    gpu: str  # a key of llmlab.hardware.SPECS
+    gpus: int
+    link: str  # a key of llmlab.dist.cost.LINKS: data-parallel and pipeline traffic (across nodes)
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    micro_batches: int = 1  # per data-parallel rank and step (pipeline micro-batches or accumulation steps)
+    tp_link: str = "nvlink4"  # tensor-parallel traffic, inside one node
+    mfu: float = 0.4  # fraction of the attainable FLOP/s the arithmetic reaches
+    bytes_per_param: int = 2  # gradients in bf16
+    bytes_per_activation: int = 2  # activations in bf16
+
+    def __post_init__(self):
+        if not isinstance(self.model, GPTConfig):
+            raise ValueError(f"model={self.model!r} must be a GPTConfig")
+        if self.gpu not in SPECS:
+            raise ValueError(f"gpu={self.gpu!r} is not on the spec sheet; choose from {', '.join(SPECS)}")
+        for name in ("link", "tp_link"):
+            if getattr(self, name) not in cost.LINKS:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not a link; choose from {', '.join(cost.LINKS)}")
+        for name in ("gpus", "dp", "tp", "pp", "micro_batches", "batch_tokens", "bytes_per_param",
+                     "bytes_per_activation"):
+            _int_at_least(name, getattr(self, name), 1)
+        if self.dp * self.tp * self.pp != self.gpus:
+            raise ValueError(f"dp·tp·pp = {self.dp}·{self.tp}·{self.pp} = {self.dp * self.tp * self.pp} "
+                             f"!= gpus={self.gpus}")
+        if self.model.n_head % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide n_head={self.model.n_head}")
+        if self.pp > self.model.n_layer:
+            raise ValueError(f"pp={self.pp} > n_layer={self.model.n_layer}: a stage needs at least one layer")
+        if self.batch_tokens % (self.dp * self.micro_batches):
+            raise ValueError(f"batch_tokens={self.batch_tokens} is not divisible by dp·micro_batches = "
+                             f"{self.dp}·{self.micro_batches}")
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int | float) or not self.tokens > 0:
+            raise ValueError(f"tokens={self.tokens!r} must be a positive number")
+        if isinstance(self.mfu, bool) or not isinstance(self.mfu, int | float) or not 0 < self.mfu <= 1:
+            raise ValueError(f"mfu={self.mfu!r} must be in (0, 1]")
+
+    @property
+    def n_params(self) -> int:
+        return num_params(self.model)
+
+    @property
+    def micro_tokens(self) -> int:
+        """Tokens of one micro-batch on one data-parallel rank."""
+        return self.batch_tokens // (self.dp * self.micro_batches)
+
+    @property
+    def steps(self) -> float:
+        return self.tokens / self.batch_tokens
+
+    def with_(self, **changes) -> ClusterConfig:
+        """This config with some fields changed (checked again)."""
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise ValueError(f"{sorted(unknown)} are not ClusterConfig fields")
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one step by part, and what they add up to over the run."""
+
+    config: ClusterConfig
+    compute: float
+    dp_allreduce: float
+    tp_allreduce: float
+    pp_send: float
+    pp_bubble: float
+    attainable_flops: float  # the roofline's FLOP/s for the layer's GEMMs on one GPU (before mfu)
+
+    @property
+    def comm(self) -> float:
+        return self.dp_allreduce + self.tp_allreduce + self.pp_send
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.comm + self.pp_bubble
+
+    @property
+    def comm_hidden(self) -> float:
+        """The most a perfect overlap of communication with compute could save per step."""
+        return min(self.comm, self.compute)
+
+    @property
+    def days(self) -> float:
+        return self.config.steps * self.total / flops.SECONDS_PER_DAY
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.config.steps * self.total * self.config.gpus / 3600
+
+    @property
+    def mfu(self) -> float:
+        """End-to-end model-FLOPs utilisation: 6·N·batch_tokens per step over the GPUs' bf16 peak."""
+        c = self.config
+        return flops.mfu(flops.training_flops(c.n_params, c.batch_tokens), self.total, c.gpus,
+                         SPECS[c.gpu].peak_flops("bf16"))
+
+    def parts(self) -> dict[str, float]:
+        return {"compute": self.compute, "DP all-reduce": self.dp_allreduce, "TP all-reduce": self.tp_allreduce,
+                "PP send": self.pp_send, "PP bubble": self.pp_bubble}
+
+
+def _attainable(c: ClusterConfig) -> float:
+    """FLOP/s the roofline allows one layer's weight GEMMs on one GPU: total FLOPs / total time, each GEMM at
+    min(peak, intensity × bandwidth). Column-parallel GEMMs (qkv, mlp up) are split along n, row-parallel ones
+    (attn out, mlp down) along k, as Megatron splits them."""
+    spec = SPECS[c.gpu]
+    peak, bandwidth = spec.peak_flops("bf16"), spec.hbm_gbs * 1e9
+    work = seconds = 0.0
+    for p in roofline.model_gemms(c.model, c.micro_tokens, c.bytes_per_activation):
+        column = p.label.startswith(("qkv", "mlp up"))
+        n, k = (p.n // c.tp, p.k) if column else (p.n, p.k // c.tp)
+        f = roofline.gemm_flops(p.m, n, k)
+        work += f
+        seconds += f / roofline.attainable(roofline.gemm_intensity(p.m, n, k, p.bytes_per_element), peak, bandwidth)
+    return work / seconds
+
+
+def step_time(config: ClusterConfig) -> StepTime:
+    """The time of one optimizer step of `config`, part by part (see the module docstring)."""
+    c = config
+    rate = _attainable(c)
+    compute = flops.training_flops(c.n_params, c.batch_tokens) / (c.gpus * rate * c.mfu)
+    link, tp_link = cost.LINKS[c.link], cost.LINKS[c.tp_link]
+    grads = c.n_params / (c.tp * c.pp) * c.bytes_per_param  # bytes of gradient one GPU holds
+    dp = cost.ring_allreduce_time(grads, c.dp, link.alpha, link.beta)
+    activation = c.micro_tokens * c.model.n_embd * c.bytes_per_activation  # one (micro_tokens, n_embd) tensor
+    layers = c.model.n_layer / c.pp  # on one stage
+    tp = TP_ALLREDUCES_PER_LAYER * layers * c.micro_batches * cost.ring_allreduce_time(
+        activation, c.tp, tp_link.alpha, tp_link.beta)
+    # a stage other than the first and last receives and sends each micro-batch forward and backward; the
+    # messages of the busiest stage are on its critical path: 2 forward + 2 backward (1 + 1 at p = 2)
+    boundaries = min(2, c.pp - 1)
+    pp_send = 2 * boundaries * c.micro_batches * (link.alpha + activation * link.beta)
+    busy = compute + tp + pp_send
+    f = bubble_fraction(c.pp, c.micro_batches)  # idle share of the whole pipelined step
+    return StepTime(config=c, compute=compute, dp_allreduce=dp, tp_allreduce=tp, pp_send=pp_send,
+                    pp_bubble=busy * f / (1 - f), attainable_flops=rate)
+
+
+def link_step_times(config: ClusterConfig, links=None) -> dict[str, StepTime]:
+    """`step_time` of `config` with its cross-node `link` replaced by each key of `links` (default cost.LINKS):
+    the chapter's C15 comparison, for a whole step rather than the all-reduce alone."""
+    return {key: step_time(config.with_(link=key)) for key in (links or cost.LINKS)}
+
+
+def _gpt(n_layer: int, n_head: int, n_embd: int, vocab_size: int, block_size: int) -> GPTConfig:
+    return GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                     bias=False)
+
+
+PRESETS: dict[str, ClusterConfig] = {
+    # GPT-3 (Brown et al. 2020: 300B tokens, batch 1536 × 2048 = 3.1M tokens) on 128 DGX A100 nodes, laid out
+    # like Megatron-LM (Narayanan et al. 2021): tensor parallel inside a node over NVLink 3, 8 pipeline stages,
+    # one 200 Gb/s HDR NIC per GPU across nodes, one sequence per micro-batch; 45% is near the 44-52% of peak
+    # Narayanan et al. report for 175B-1T models
+    "gpt3-175b-1024xA100": ClusterConfig(
+        model=GPTConfig(**flops.GPT3_CONFIG), tokens=300e9, batch_tokens=1536 * 2048, gpu="A100 SXM", gpus=1024,
+        link="rdma200", dp=16, tp=8, pp=8, micro_batches=96, tp_link="nvlink3", mfu=0.45),
+    # C15's step (llmlab.dist.cost.C15_STEP): a LLaMA-7B-shaped model, 2^20 tokens per step, plain data
+    # parallelism over 8 nodes of 8 H100, one 100 Gb/s NIC per GPU
+    "7b-64xH100": ClusterConfig(
+        model=_gpt(n_layer=32, n_head=32, n_embd=4096, vocab_size=32000, block_size=4096), tokens=1e12,
+        batch_tokens=cost.C15_STEP["tokens"], gpu=cost.C15_STEP["gpu"], gpus=64, link="rdma100", dp=64,
+        mfu=cost.C15_STEP["mfu"]),
+    # GPT-2 small on one 8-GPU node, 0.5M tokens per step (GPT-3 paper's batch for 125M), 10B tokens
+    "gpt2-8xH100": ClusterConfig(
+        model=GPTConfig.preset("gpt2"), tokens=10e9, batch_tokens=512 * 1024, gpu="H100 SXM", gpus=8,
+        link="nvlink4", dp=8),
+}
+
+
+def preset(name: str, **changes) -> ClusterConfig:
+    """The named preset (see `PRESETS`) with any fields changed, e.g. `preset("gpt2-8xH100", link="pcie4")`."""
+    if name not in PRESETS:
+        raise ValueError(f"name={name!r} is not a preset; choose from {list(PRESETS)}")
+    return PRESETS[name].with_(**changes)
