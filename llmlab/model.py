@@ -27,11 +27,13 @@ Shape names in comments: B batch, T sequence length, C = n_embd, nh = n_head, hs
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from llmlab.presets import from_preset
 
 __all__ = ["GPTConfig", "PRESETS", "GPT", "Block", "CausalSelfAttention", "MLP"]
 
@@ -66,12 +68,7 @@ class GPTConfig:
     @classmethod
     def preset(cls, name: str, **overrides) -> GPTConfig:
         """The named preset (see `PRESETS`) with any fields overridden, e.g. `preset("tiny", dropout=0.1)`."""
-        if name not in PRESETS:
-            raise ValueError(f"name={name!r} is not a preset; choose from {list(PRESETS)}")
-        unknown = set(overrides) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"overrides {sorted(unknown)} are not GPTConfig fields")
-        return replace(PRESETS[name], **overrides)
+        return from_preset(cls, PRESETS, name, **overrides)
 
 
 # A ladder of sizes. "tiny" trains in seconds on a 2-core CPU; "gpt2" is GPT-2 small (124M parameters; its

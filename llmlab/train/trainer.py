@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as td
 
 from llmlab import runtime
 from llmlab.precision import PRECISIONS, DynamicLossScaler, autocast
+from llmlab.presets import from_preset
 from llmlab.train import state as state_file
 from llmlab.train.clip import clip_grad_norm, grad_norm
 from llmlab.train.schedule import DECAYS, WARMUP_FORMULAS, LRSchedule
@@ -96,12 +97,7 @@ class TrainConfig:
     @classmethod
     def preset(cls, name: str, **overrides) -> TrainConfig:
         """A named preset (see `TRAIN_PRESETS`) with fields overridden, e.g. `preset("tiny", steps=50)`."""
-        if name not in TRAIN_PRESETS:
-            raise ValueError(f"name={name!r} is not a preset; choose from {list(TRAIN_PRESETS)}")
-        unknown = set(overrides) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"overrides {sorted(unknown)} are not TrainConfig fields")
-        return replace(TRAIN_PRESETS[name], **overrides)
+        return from_preset(cls, TRAIN_PRESETS, name, **overrides)
 
 
 # "tiny": seconds on a 2-core CPU (the tiny GPT reaches the bigram source's floor in ~150 updates);
