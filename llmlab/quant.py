@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -344,6 +345,11 @@ BENCH_CONFIGS = {"W8A8": lambda: QConfig(activation=MinMaxQuantizer(bits=8), wei
                  "W4A8": lambda: QConfig(activation=MinMaxQuantizer(bits=8), weight=LSQQuantizer(bits=4))}
 
 
+def _held_out(losses: list[float]) -> float:
+    """The mean loss of the last 10 steps: every step draws fresh batches, so this is a held-out loss."""
+    return sum(losses[-10:]) / 10
+
+
 def bench(steps: int = 100, batch_size: int = 8, block_size: int = 64, kernel_sizes=None) -> list[dict]:
     """`llmlab bench quant`: the Triton int8 kernels' rows (`llmlab.kernels.quantize.bench`), then one row per
     `BENCH_CONFIGS` entry: the tiny GPT trained `steps` AdamW steps quantization-aware vs in fp32 from the same
@@ -355,18 +361,16 @@ def bench(steps: int = 100, batch_size: int = 8, block_size: int = 64, kernel_si
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 13:
         raise ValueError(f"steps={steps!r} must be an int ≥ 13 (3 warm-up steps, 10 averaged)")
     device = runtime.device()
-    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    final = lambda losses: sum(losses[-10:]) / 10  # noqa: E731
     args = (steps, 0, 3e-3, batch_size, block_size, device)
     fp32_losses, fp32_seconds = _train(None, *args)
     rows = quantize.bench(kernel_sizes)
     for name, make in BENCH_CONFIGS.items():
         losses, seconds = _train(make(), *args)
-        impl_ms, peer_ms = median(seconds[3:]) * 1e3, median(fp32_seconds[3:]) * 1e3
+        impl_ms, peer_ms = statistics.median(seconds[3:]) * 1e3, statistics.median(fp32_seconds[3:]) * 1e3
         rows.append({"impl": f"{name} QAT step (fake-quantized)", "peer": "fp32 step",
                      "size": f"tiny GPT B={batch_size} T={block_size}, {steps} steps", "impl_ms": impl_ms,
-                     "peer_ms": peer_ms, "ratio": impl_ms / peer_ms, "loss": final(losses),
-                     "peer_loss": final(fp32_losses), "loss_gap": final(losses) - final(fp32_losses)})
+                     "peer_ms": peer_ms, "ratio": impl_ms / peer_ms, "loss": _held_out(losses),
+                     "peer_loss": _held_out(fp32_losses), "loss_gap": _held_out(losses) - _held_out(fp32_losses)})
     return rows
 
 
@@ -408,11 +412,9 @@ def _claim_quantized_training() -> claims.Measurement:
     diffs = _lsq_differences_from_torch()
     if diffs["output"] != 0 or diffs["grad v"] != 0 or diffs["grad step (relative)"] > 1e-4:
         raise RuntimeError(f"llmlab's LSQ differs from PyTorch's beyond fp32 rounding: {diffs}")  # a bug here
-    w4a8 = QConfig(activation=MinMaxQuantizer(bits=8), weight=LSQQuantizer(bits=4))
     steps, batch_size, block_size = 100, 8, 64
-    final = lambda losses: sum(losses[-10:]) / 10  # noqa: E731  fresh batches every step: a held-out loss
-    fp32 = final(train_losses(None, steps, batch_size=batch_size, block_size=block_size))
-    quantized = final(train_losses(w4a8, steps, batch_size=batch_size, block_size=block_size))
+    fp32 = _held_out(train_losses(None, steps, batch_size=batch_size, block_size=block_size))
+    quantized = _held_out(train_losses(BENCH_CONFIGS["W4A8"](), steps, batch_size=batch_size, block_size=block_size))
     untrained = fp32 - MarkovSource(vocab_size=64, seed=0).best_loss(block_size)  # fp32's own distance to go
     # Conditions: QAT in float, and W4A8 costs less loss than fp32 itself still has to go; else the 4-bit
     # training the material promises is not what happened here.
