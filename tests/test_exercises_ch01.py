@@ -1,34 +1,13 @@
 """Chapter 1's exercise checks (llmlab.exercises.ch01): each passes the reference answer, reports an unwritten
 answer as not attempted, and fails a plausible wrong answer with a message naming the mistake and the hint."""
 
-import re
 
 import llmlab.kernels  # noqa: F401  (first: interpreted Triton on the CPU tier, before any kernel below)
-import pytest
 import triton
 import triton.language as tl
+from grading import fails, not_attempted, passes
 
 from llmlab.exercises import ch01
-from llmlab.exercises.checks import ExerciseFailed
-
-
-def passes(check, *answer, capsys):
-    check(*answer)
-    assert "passed" in capsys.readouterr().out
-
-
-def not_attempted(check, *answer, capsys):
-    check(*answer)
-    assert "not attempted yet" in capsys.readouterr().out
-
-
-def fails(check, *answer, match: str, hint: str):
-    with pytest.raises(ExerciseFailed) as info:
-        check(*answer)
-    message = str(info.value)
-    assert "failed" in message and "Hint:" in message and hint in message, message
-    assert re.search(match, message), message
-    return message
 
 
 def unwritten(*args):

@@ -2,40 +2,20 @@
 (a NotImplementedError, raised on the ranks for the multi-rank checks) as not attempted, and fails a plausible wrong
 answer with a message naming the mistake and the hint. The multi-rank checks share ch02's one Cluster(4)."""
 
-import re
 
 import pytest
 import torch
 import torch.distributed as td
 import torch.nn.functional as F
+from grading import fails, not_attempted, passes
 
 from llmlab.exercises import ch02
-from llmlab.exercises.checks import ExerciseFailed
 
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
     yield ch02.cluster()
     ch02.close_cluster()
-
-
-def passes(check, answer, capsys):
-    check(answer)
-    assert "passed" in capsys.readouterr().out
-
-
-def not_attempted(check, answer, capsys):
-    check(answer)
-    assert "not attempted yet" in capsys.readouterr().out
-
-
-def fails(check, answer, match: str, hint: str) -> str:
-    with pytest.raises(ExerciseFailed) as info:
-        check(answer)
-    message = str(info.value)
-    assert "failed" in message and "Hint:" in message and hint in message, message
-    assert re.search(match, message), message
-    return message
 
 
 def unwritten(*args):
@@ -82,9 +62,9 @@ def divides_a_copy(grads, group=None):
 
 
 def test_average_gradients(capsys):
-    passes(ch02.average_gradients, average_gradients, capsys)
-    passes(ch02.average_gradients, averaged_copies, capsys)
-    not_attempted(ch02.average_gradients, unwritten, capsys)
+    passes(ch02.average_gradients, average_gradients, capsys=capsys)
+    passes(ch02.average_gradients, averaged_copies, capsys=capsys)
+    not_attempted(ch02.average_gradients, unwritten, capsys=capsys)
     hint = "divide it by the group's size"
     fails(ch02.average_gradients, summed, match="that is the sum over the group: divide by its size", hint=hint)
     fails(ch02.average_gradients, divides_a_copy, match="that is the sum over the group", hint="`g = g / n`")
@@ -102,7 +82,7 @@ def test_a_failure_on_the_ranks_leaves_the_checks_usable(capsys):
         raise ZeroDivisionError("oops")
 
     fails(ch02.average_gradients, crashes, match="raised ZeroDivisionError: oops", hint="divide it by")
-    passes(ch02.average_gradients, average_gradients, capsys)
+    passes(ch02.average_gradients, average_gradients, capsys=capsys)
 
 
 # --- 2.2 ----------------------------------------------------------------------------------------------------
@@ -145,11 +125,12 @@ class WorldCopy(CopyToParallel):
 
 
 def test_column_parallel_linear(capsys):
-    passes(ch02.column_parallel_linear, column_parallel_linear, capsys)
+    passes(ch02.column_parallel_linear, column_parallel_linear, capsys=capsys)
     from llmlab.parallel.tensor import copy_to_parallel  # llmlab's own f passes too
 
-    passes(ch02.column_parallel_linear, lambda x, w, b, group=None: F.linear(copy_to_parallel(x, group), w, b), capsys)
-    not_attempted(ch02.column_parallel_linear, unwritten, capsys)
+    passes(ch02.column_parallel_linear, lambda x, w, b, group=None: F.linear(copy_to_parallel(x, group), w, b),
+           capsys=capsys)
+    not_attempted(ch02.column_parallel_linear, unwritten, capsys=capsys)
     hint = "the input gradient on each rank is only its shard's contribution"
     fails(ch02.column_parallel_linear, forgets_the_backward_all_reduce,
           match="dL/dx: .* the backward all-reduce is missing", hint=hint)
@@ -203,7 +184,7 @@ def keeps_counting(scale, tracker, found_inf, growth_factor=2.0, backoff_factor=
 
 
 def test_update_scale(capsys):
-    passes(ch02.update_scale, update_scale, capsys)
+    passes(ch02.update_scale, update_scale, capsys=capsys)
     from llmlab.precision import DynamicLossScaler
 
     def ours(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
@@ -212,8 +193,8 @@ def test_update_scale(capsys):
         s.update(found_inf)
         return s.scale, s.clean_steps
 
-    passes(ch02.update_scale, ours, capsys)  # llmlab's own scaler
-    not_attempted(ch02.update_scale, unwritten, capsys)
+    passes(ch02.update_scale, ours, capsys=capsys)  # llmlab's own scaler
+    not_attempted(ch02.update_scale, unwritten, capsys=capsys)
     hint = "never grow"
     fails(ch02.update_scale, grows_on_overflow, match="found_inf=True: .* the scale grew on an overflow step",
           hint=hint)

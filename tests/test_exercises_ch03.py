@@ -2,13 +2,12 @@
 (a NotImplementedError, raised on the ranks for 3.1) as not attempted, and fails a plausible wrong answer with a
 message naming the mistake and the hint. 3.1 runs on ch03's one Cluster(4), shared by the tests here."""
 
-import re
 
 import pytest
 import torch
+from grading import fails, not_attempted, passes
 
 from llmlab.exercises import ch03
-from llmlab.exercises.checks import ExerciseFailed
 from llmlab.memory.measure import is_parameter
 
 
@@ -16,25 +15,6 @@ from llmlab.memory.measure import is_parameter
 def cluster():
     yield
     ch03.close()
-
-
-def passes(check, *answers, capsys):
-    check(*answers)
-    assert "passed" in capsys.readouterr().out
-
-
-def not_attempted(check, *answers, capsys):
-    check(*answers)
-    assert "not attempted yet" in capsys.readouterr().out
-
-
-def fails(check, *answers, match: str, hint: str) -> str:
-    with pytest.raises(ExerciseFailed) as info:
-        check(*answers)
-    message = str(info.value)
-    assert "failed" in message and "Hint:" in message and hint in message, message
-    assert re.search(match, message), message
-    return message
 
 
 def unwritten(*args):

@@ -6,41 +6,21 @@ The ring answers below are written the way a learner would, with `exchange` (sen
 together), and run on the checks' own 5 gloo ranks, which the module fixture stops at the end.
 """
 
-import re
 
 import pytest
 import torch
 import torch.distributed as td
+from grading import fails, not_attempted, passes
 
 from llmlab.dist import cost
 from llmlab.dist.commlog import exchange
 from llmlab.exercises import ch04
-from llmlab.exercises.checks import ExerciseFailed
 
 
 @pytest.fixture(scope="module", autouse=True)
 def ranks():
     yield
     ch04.close()
-
-
-def passes(check, answer, capsys):
-    check(answer)
-    assert "passed" in capsys.readouterr().out
-
-
-def not_attempted(check, answer, capsys):
-    check(answer)
-    assert "not attempted yet" in capsys.readouterr().out
-
-
-def fails(check, answer, match: str, hint: str) -> str:
-    with pytest.raises(ExerciseFailed) as info:
-        check(answer)
-    message = str(info.value)
-    assert "failed" in message and "Hint:" in message and hint in message, message
-    assert re.search(match, message), message
-    return message
 
 
 def unwritten(*args):
@@ -65,8 +45,8 @@ def reduce_scatter(tensor, group=None, shift=0, add_own=True):
 
 
 def test_ring_reduce_scatter(capsys):
-    passes(ch04.ring_reduce_scatter, reduce_scatter, capsys)
-    not_attempted(ch04.ring_reduce_scatter, unwritten, capsys)
+    passes(ch04.ring_reduce_scatter, reduce_scatter, capsys=capsys)
+    not_attempted(ch04.ring_reduce_scatter, unwritten, capsys=capsys)
     message = fails(ch04.ring_reduce_scatter, lambda t, g=None: reduce_scatter(t, g, shift=1),
                     match=r"rank \d ended with \(part of\) chunk \d, not chunk \d: the chunk index is off by 1",
                     hint="rank r should end with chunk r")
@@ -99,7 +79,7 @@ def test_a_deadlock_and_an_error_on_the_ranks_fail_with_a_message(capsys, monkey
     fails(ch04.ring_reduce_scatter, lambda t, g=None: t.no_such_method(),
           match="on rank 0, your function raised AttributeError: .*no_such_method.*world size 2",
           hint="rank r should end with chunk r")
-    passes(ch04.ring_reduce_scatter, reduce_scatter, capsys)  # the ranks were restarted
+    passes(ch04.ring_reduce_scatter, reduce_scatter, capsys=capsys)  # the ranks were restarted
 
 
 # --- 4.2 ----------------------------------------------------------------------------------------------------
@@ -117,8 +97,8 @@ def all_gather(chunk, sizes, group=None, shift=0):
 
 
 def test_ring_all_gather(capsys):
-    passes(ch04.ring_all_gather, all_gather, capsys)
-    not_attempted(ch04.ring_all_gather, unwritten, capsys)
+    passes(ch04.ring_all_gather, all_gather, capsys=capsys)
+    not_attempted(ch04.ring_all_gather, unwritten, capsys=capsys)
     message = fails(ch04.ring_all_gather, lambda c, s, g=None: all_gather(c, s, g, shift=-1),
                     match=r"chunk \d of rank \d's output .* is wrong|a message of \d+ bytes arrived where it expected",
                     hint="send chunk (r−s) mod N")
@@ -136,8 +116,8 @@ def accumulate(model, loss_fn, batches):
 
 
 def test_accumulate(capsys):
-    passes(ch04.accumulate, accumulate, capsys)
-    not_attempted(ch04.accumulate, unwritten, capsys)
+    passes(ch04.accumulate, accumulate, capsys=capsys)
+    not_attempted(ch04.accumulate, unwritten, capsys=capsys)
 
     def snippet(model, loss_fn, batches):  # the material's loop: no division
         model.zero_grad()
@@ -156,8 +136,8 @@ def test_accumulate(capsys):
 # --- 4.4 ----------------------------------------------------------------------------------------------------
 
 def test_ring_time(capsys):
-    passes(ch04.ring_time, cost.ring_allreduce_time, capsys)
-    not_attempted(ch04.ring_time, unwritten, capsys)
+    passes(ch04.ring_time, cost.ring_allreduce_time, capsys=capsys)
+    not_attempted(ch04.ring_time, unwritten, capsys=capsys)
     fails(ch04.ring_time, cost.reduce_scatter_time, match="the reduce-scatter alone", hint="2(N−1)")
     fails(ch04.ring_time, lambda s, n, a, b: 2 * (n - 1) * (a + s * b), match="S/N bytes, not all S", hint="2(N−1)")
     fails(ch04.ring_time, lambda s, n, a, b: "fast", match="expected a number", hint="2(N−1)")

@@ -2,39 +2,19 @@
 answer as not attempted, and fails a plausible wrong answer with a message naming the mistake and the hint."""
 
 import math
-import re
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from grading import fails, not_attempted, passes
 
 from llmlab.exercises import ch08
-from llmlab.exercises.checks import ExerciseFailed
 
 
 @pytest.fixture(autouse=True)
 def _one_thread(one_thread):
     """Tiny tensors: one thread is faster, and steadier when other processes share the cores."""
-
-
-def passes(check, *answer, capsys):
-    check(*answer)
-    assert "passed" in capsys.readouterr().out
-
-
-def not_attempted(check, *answer, capsys):
-    check(*answer)
-    assert "not attempted yet" in capsys.readouterr().out
-
-
-def fails(check, *answer, match: str, hint: str):
-    with pytest.raises(ExerciseFailed) as info:
-        check(*answer)
-    message = str(info.value)
-    assert "failed" in message and "Hint:" in message and hint in message, message
-    assert re.search(match, message), message
-    return message
 
 
 def unwritten(*args):

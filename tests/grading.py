@@ -1,0 +1,31 @@
+"""What every chapter's exercise-check tests assert: a right answer prints "passed", an unwritten one prints
+"not attempted yet", and a wrong one raises ExerciseFailed with a message naming the mistake and a hint.
+
+(Each test module keeps its own `unwritten` answer: a multi-rank check pickles it by reference, and a function
+of a test module travels to the ranks where one of a helper module might not be importable.)
+"""
+
+import re
+
+import pytest
+
+from llmlab.exercises.checks import ExerciseFailed
+
+
+def passes(check, *answers, capsys):
+    check(*answers)
+    assert "passed" in capsys.readouterr().out
+
+
+def not_attempted(check, *answers, capsys):
+    check(*answers)
+    assert "not attempted yet" in capsys.readouterr().out
+
+
+def fails(check, *answers, match: str, hint: str) -> str:
+    with pytest.raises(ExerciseFailed) as info:
+        check(*answers)
+    message = str(info.value)
+    assert "failed" in message and "Hint:" in message and hint in message, message
+    assert re.search(match, message), message
+    return message
