@@ -6,6 +6,7 @@
     llmlab grade NOTEBOOK [--json]     execute a learner's notebook and report each exercise
     llmlab bench NAME [--json PATH]    run a benchmark (see `llmlab bench --help`)
     llmlab results [--check]           write README's results tables from results/*.json
+    llmlab train [FLAGS]               the capstone: compose DP/ZeRO/TP/... by flags (see `llmlab train --help`)
 """
 
 from __future__ import annotations
@@ -94,10 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
     re_.add_argument("--readme", default="README.md")
     re_.add_argument("--records", default="results", help="folder of bench JSON records")
     re_.set_defaults(func=_results)
+
+    sub.add_parser("train", add_help=False, help="the capstone training run (flags: `llmlab train --help`)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:  # its flags are the capstone's own parser's
+        from llmlab.train.capstone import main as train
+
+        return train(argv[1:], prog="llmlab train")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

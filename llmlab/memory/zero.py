@@ -230,7 +230,7 @@ class ZeRO(torch.nn.Module):
         self._step += 1
         for u in self.units:
             if self.stage == 1:
-                grad = self._reduce(u)
+                grad = u.grad_shard if u.grad_shard is not None else self._reduce(u)
             elif u.grad_shard is None or u.ready:
                 raise RuntimeError(f"step() before every gradient of unit {self.units.index(u)} was computed: "
                                    "call backward() first; every trainable parameter must take part in the loss")
@@ -239,6 +239,18 @@ class ZeRO(torch.nn.Module):
             self._adamw(u.shard, grad, u.exp_avg, u.exp_avg_sq)
             if self.stage < 3:
                 _all_gather(u.full, u.shard.clone(), self.group)  # (P_u,); the parameters are views of it
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        """This rank's averaged gradient shard (S_u,) of every unit, disjoint across ranks (so the global squared
+        norm is the all-reduced sum of theirs). Stage 1 reduce-scatters now (all ranks call) and step() reuses it."""
+        if self.stage == 0:
+            raise ValueError("stage 0 keeps full gradients in p.grad: it has no gradient shards")
+        for u in self.units:
+            if self.stage == 1 and u.grad_shard is None:
+                u.grad_shard = self._reduce(u)
+            if u.grad_shard is None or u.ready:
+                raise RuntimeError("grad_shards() before every gradient was computed: call backward() first")
+        return [u.grad_shard for u in self.units]
 
     def _adamw(self, param, grad, m, v) -> None:
         """torch.optim.AdamW's update (decoupled weight decay, bias-corrected moments), on (S_u,) tensors."""

@@ -21,7 +21,8 @@ every rank calls its own monitor (the metrics are the same on all ranks): give o
 rank 0 only. Metrics: loss (mean over micro-batches and ranks), lr, grad_norm (before clipping), tokens_per_s,
 step_time_s, loss_scale (fp16 only), skipped (1.0 when an fp16 overflow skipped the update).
 
-What to override to compose other parts (the capstone): `build_model`, `build_dataset`, `build_optimizer`,
+What to override to compose other parts (the capstone): `build_model`, `build_dataset`, `wrap_model`,
+`build_optimizer`,
 `build_schedule`, `loss` (e.g. add an MoE balance loss) and `clip` (e.g. a norm over sharded gradients); or
 pass `model`, `dataset` and `optimizer` (an optimizer, or a function params -> optimizer) in.
 
@@ -138,11 +139,7 @@ class Trainer:
         self.module = (model if model is not None else self.build_model()).to(self.device)
         self.dataset = dataset if dataset is not None else self.build_dataset()
         self._check_dataset()
-        self.model = self.module
-        if data_parallel:
-            from llmlab.parallel.data import DataParallel
-
-            self.model = DataParallel(self.module, group=group)
+        self.model = self.wrap_model()
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         if isinstance(optimizer, torch.optim.Optimizer):
             self.optimizer = optimizer
@@ -160,6 +157,15 @@ class Trainer:
         from llmlab.model import GPT, GPTConfig
 
         return GPT(GPTConfig.preset(self.config.model, block_size=self.config.block_size))
+
+    def wrap_model(self) -> torch.nn.Module:
+        """What forward runs through: `self.module`, wrapped in DataParallel under `data_parallel` (override to
+        wrap it otherwise, e.g. in ZeRO; a wrapper without `no_sync` then communicates every micro-batch)."""
+        if not self.data_parallel:
+            return self.module
+        from llmlab.parallel.data import DataParallel
+
+        return DataParallel(self.module, group=self.group)
 
     def build_dataset(self):
         from llmlab.data import MarkovSource, SyntheticDataset
@@ -211,7 +217,8 @@ class Trainer:
         for micro in range(c.accumulation):
             x, y = (t.to(self.device) for t in self.dataset.next_batch())  # (B/N, T) each
             last = micro == c.accumulation - 1
-            sync = self.model.no_sync() if self.data_parallel and not last else contextlib.nullcontext()
+            sync = (self.model.no_sync() if self.data_parallel and not last and hasattr(self.model, "no_sync")
+                    else contextlib.nullcontext())
             with sync:
                 with autocast(c.precision, self.device):
                     loss = self.loss(x, y)
