@@ -22,6 +22,8 @@ from __future__ import annotations
 import functools
 import os
 import random
+import sys
+import warnings
 from dataclasses import dataclass, replace
 
 __all__ = [
@@ -90,15 +92,32 @@ def backend(world_size: int = 1) -> str:
     return "nccl" if t.is_gpu and world_size <= t.n_gpus else "gloo"
 
 
-def configure_triton() -> bool:
-    """Choose compiled or interpreted Triton; call before any @triton.jit kernel is defined.
+_GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")  # NVIDIA's driver, AMD's ROCm
 
-    On the CPU tier this sets TRITON_INTERPRET=1 (unless the user set it), because Triton reads that
-    variable when a kernel is decorated. `llmlab.kernels` calls this on import, so every kernel module
-    is defined under the right mode. Returns whether Triton runs interpreted.
+
+def _cpu_without_torch() -> bool:
+    """Whether this is the CPU tier for sure, decided without importing torch (which takes seconds)."""
+    forced = os.environ.get("LLMLAB_DEVICE", "").lower()
+    no_gpu = os.environ.get("CUDA_VISIBLE_DEVICES") == "" or not any(map(os.path.exists, _GPU_DEVICE_FILES))
+    return forced == "cpu" or (forced == "" and no_gpu)
+
+
+def configure_triton(probe_torch: bool = True) -> bool:
+    """Choose compiled or interpreted Triton; returns whether Triton runs interpreted.
+
+    On the CPU tier this sets TRITON_INTERPRET=1 (unless the user set it). Triton reads the variable when
+    `triton` is first imported (its own `tl.zeros`, `tl.max`, … are @jit functions, defined then) and when a
+    kernel is decorated, and torch may import triton on its own (its compiler and fused optimizers do, during
+    training). So `import llmlab` calls this with `probe_torch=False`: it decides from the environment and the
+    GPU device files alone, cheaply, before anything imports triton. `llmlab.kernels` calls it again on import
+    (`probe_torch=True`: asks torch whether CUDA works) for machines where only torch can tell.
     """
-    if "TRITON_INTERPRET" not in os.environ and not tier().is_gpu:
+    if "TRITON_INTERPRET" not in os.environ and (_cpu_without_torch() or probe_torch and not tier().is_gpu):
         os.environ["TRITON_INTERPRET"] = "1"
+        if "triton" in sys.modules:
+            warnings.warn("triton was imported before llmlab chose its interpreter: Triton kernels will fail on "
+                          "this CPU; set TRITON_INTERPRET=1 before starting Python, or import llmlab first",
+                          RuntimeWarning, stacklevel=2)
     return triton_interpreted()
 
 

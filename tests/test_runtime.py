@@ -41,6 +41,33 @@ def test_triton_is_interpreted_before_any_kernel_is_defined():
     assert out.stdout.split() == ["1", "True"], out.stderr
 
 
+def test_kernels_work_when_triton_is_imported_before_them():
+    # torch imports triton by itself (its compiler, fused optimizers) before the chapter's first kernel: triton's own
+    # tl.zeros/tl.max are then defined compiled and every interpreted kernel fails, unless `import llmlab` chose the
+    # interpreter first
+    code = ("import os; os.environ.pop('TRITON_INTERPRET', None); import torch, llmlab, triton.language; "
+            "from llmlab.kernels import quantize; x = torch.randn(5, 7); "
+            "q, s = quantize.quantize_int8(x); rq, rs = quantize.reference(x); "
+            "print(torch.equal(q, rq) and torch.equal(s, rs))")
+    out = _python(code, LLMLAB_DEVICE="cpu")
+    assert out.stdout.split() == ["True"], out.stderr[-2000:]
+
+
+def test_cpu_known_without_torch(monkeypatch):
+    monkeypatch.setenv("LLMLAB_DEVICE", "cpu")
+    assert runtime._cpu_without_torch()
+    monkeypatch.setenv("LLMLAB_DEVICE", "cuda")
+    assert not runtime._cpu_without_torch()  # forced GPU: torch decides
+    monkeypatch.delenv("LLMLAB_DEVICE")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert runtime._cpu_without_torch()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(runtime, "_GPU_DEVICE_FILES", ("/nonexistent/nvidiactl",))
+    assert runtime._cpu_without_torch()
+    monkeypatch.setattr(runtime, "_GPU_DEVICE_FILES", (__file__,))  # a device file that exists: ask torch
+    assert not runtime._cpu_without_torch()
+
+
 def test_presets():
     cpu = runtime.preset("cpu")
     assert cpu.model == "tiny" and cpu.world_size >= 2
