@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.llmlab-installed
 PORT   ?= 8888
 
-.PHONY: setup lab test lint exercises doctor clean
+.PHONY: setup lab test lint exercises doctor site clean
 
 setup: $(STAMP)
 
@@ -31,5 +31,9 @@ exercises: $(STAMP)
 doctor: $(STAMP)
 	$(BIN)/llmlab doctor
 
+# the self-study pages: every chapter executed, as HTML with its outputs, in site/ (open site/index.html)
+site: $(STAMP)
+	$(BIN)/llmlab site --out site
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist site *.egg-info

@@ -7,6 +7,7 @@
     llmlab bench NAME [--json PATH]    run a benchmark (see `llmlab bench --help`)
     llmlab results [--check]           write README's results tables from results/*.json
     llmlab train [FLAGS]               the capstone: compose DP/ZeRO/TP/... by flags (see `llmlab train --help`)
+    llmlab site [NOTEBOOK ...]         execute the chapters and write HTML pages with their outputs (site/)
 """
 
 from __future__ import annotations
@@ -46,6 +47,19 @@ def _grade(args) -> int:
     report = grade.grade(Path(args.notebook), timeout=args.timeout)
     print(report.to_json() if args.json else report.table())
     return 0 if report.all_passed else 1
+
+
+def _site(args) -> int:
+    from llmlab import site
+
+    notebooks = args.notebooks or sorted(Path("chapters").glob("[0-9]*.ipynb"))
+    if not notebooks:
+        raise FileNotFoundError("no chapters/NN_*.ipynb here: run from the project root or name the notebooks")
+    failed = [p for p in site.build(notebooks, args.out, timeout=args.timeout) if p.problem]
+    print(f"wrote {Path(args.out) / 'index.html'}")
+    for p in failed:
+        print(f"{p.notebook}: {p.problem}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _bench(args) -> int:
@@ -95,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     re_.add_argument("--readme", default="README.md")
     re_.add_argument("--records", default="results", help="folder of bench JSON records")
     re_.set_defaults(func=_results)
+
+    si = sub.add_parser("site", help="execute the chapters and write HTML pages with their outputs")
+    si.add_argument("notebooks", nargs="*", help="default: chapters/NN_*.ipynb")
+    si.add_argument("--out", default="site", help="folder for the pages and index.html")
+    si.add_argument("--timeout", type=float, default=600, help="seconds for each chapter")
+    si.set_defaults(func=_site)
 
     sub.add_parser("train", add_help=False, help="the capstone training run (flags: `llmlab train --help`)")
     return parser

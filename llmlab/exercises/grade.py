@@ -118,12 +118,16 @@ def grade(path: Path, timeout: float = 600) -> Report:
         raise ValueError(f"timeout={timeout} must be a positive number of seconds")
     nb = read_notebook(path)
     started = time.monotonic()
-    stop = _execute(nb, path.resolve().parent, timeout)
+    stop = execute(nb, path.resolve().parent, timeout)
     return Report(path, tuple(_rows(nb, stop)), time.monotonic() - started, stop)
 
 
-def _execute(nb, folder: Path, timeout: float) -> Stop | None:
-    """Run every cell of `nb` in place (outputs land in `nb`); say where and why it stopped early, if so."""
+def execute(nb, folder: Path, timeout: float) -> Stop | None:
+    """Run every cell of `nb` in place (outputs land in `nb`); say where and why it stopped early, if so.
+
+    Errors in cells do not stop the run; `timeout` bounds all of it, kernel start included. Also what
+    `llmlab site` runs each chapter with.
+    """
     deadline = time.monotonic() + timeout
     kernel = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=_ThisPython())
     client = NotebookClient(

@@ -1,0 +1,56 @@
+"""llmlab.site (`llmlab site`): chapters executed into HTML pages with their outputs, failures named, an index."""
+
+import nbformat
+import pytest
+
+from llmlab import cli, site
+
+
+def notebook(path, *cells):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell(c[3:]) if c.startswith("md:") else nbformat.v4.new_code_cell(c)
+                for c in cells]
+    nbformat.write(nb, path)
+    return path
+
+
+def test_pages_carry_outputs_and_failures_are_named(tmp_path, capsys):
+    good = notebook(tmp_path / "01_good.ipynb", "md:# Chapter A (甲)", "x = 6 * 7\nprint('answer', x)",
+                    "import pathlib\nprint(pathlib.Path.cwd().name)")
+    bad = notebook(tmp_path / "02_bad.ipynb", "md:## no top heading", "print('before')", "1 / 0", "print('after')")
+    out = tmp_path / "pages"
+    (out).mkdir()
+    (out / "01_good.html").write_text("an older page")
+    lines = []
+    pages = site.build([good, bad], out, timeout=120, log=lines.append)
+    assert [p.html.name for p in pages] == ["01_good.html", "02_bad.html"] and len(lines) == 2
+    page = (out / "01_good.html").read_text()
+    assert "answer 42" in page and tmp_path.name in page  # executed, in the notebook's own folder
+    assert pages[0].title == "Chapter A (甲)" and pages[0].problem == "" and "an older page" not in page
+    assert pages[1].title == "02_bad" and pages[1].problem.startswith("cell 3: ZeroDivisionError")
+    broken = (out / "02_bad.html").read_text()
+    assert "before" in broken and "ZeroDivisionError" in broken and "after" in broken  # errors do not stop a run
+    index = (out / "index.html").read_text()
+    assert 'href="01_good.html">Chapter A (甲)</a>' in index and "failed: cell 3: ZeroDivisionError" in index
+    assert sorted(p.name for p in out.iterdir()) == ["01_good.html", "02_bad.html", "index.html"]  # no temp files
+    assert (out / "index.html").stat().st_mode & 0o044 == 0o044  # readable by a web server
+
+    assert cli.main(["site", str(bad), "--out", str(out)]) == 1
+    assert "02_bad.ipynb: cell 3: ZeroDivisionError" in capsys.readouterr().err
+
+
+def test_a_chapter_that_runs_too_long_is_stopped(tmp_path):
+    slow = notebook(tmp_path / "03_slow.ipynb", "md:# Slow", "import time\ntime.sleep(60)")
+    page = site.build_page(slow, tmp_path, timeout=8)
+    assert "did not finish within 8 s" in page.problem and page.seconds < 30
+
+
+def test_bad_input_is_refused(tmp_path, capsys):
+    with pytest.raises(ValueError, match="notebook='.*missing.ipynb' is not a .ipynb file"):
+        site.build_page(tmp_path / "missing.ipynb", tmp_path)
+    with pytest.raises(ValueError, match="timeout=0"):
+        site.build_page(notebook(tmp_path / "a.ipynb", "1"), tmp_path, timeout=0)
+    with pytest.raises(ValueError, match="notebooks is empty"):
+        site.build([], tmp_path)
+    assert cli.main(["site", str(tmp_path / "notes.txt")]) == 2
+    assert "llmlab site: error: notebook=" in capsys.readouterr().err
