@@ -75,9 +75,11 @@ def _all_reduce_rank() -> list[float]:
     return t.tolist()
 
 
-def check_all_reduce(world_size: int = 2) -> tuple[bool, str]:
+def check_all_reduce(world_size: int | None = None) -> tuple[bool, str]:
+    """All-reduce on every GPU of the machine (NCCL), or on 2 gloo ranks without GPUs."""
     from llmlab import dist, runtime
 
+    world_size = world_size or max(2, runtime.tier().n_gpus)
     start = time.perf_counter()
     results = dist.spawn(_all_reduce_rank, world_size, timeout=60)
     seconds = time.perf_counter() - start
