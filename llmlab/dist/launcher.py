@@ -91,6 +91,12 @@ def _check_timeout(name: str, value) -> float:
     return float(value)
 
 
+def _ranks(ranks) -> str:
+    """'rank 3' or 'ranks 0, 2' (diagnose.hang reads either)."""
+    ranks = list(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
 def _pack(fn, args) -> bytes:
     """cloudpickle `fn` and `args` once, naming the piece that cannot travel to the ranks."""
     import cloudpickle
@@ -248,8 +254,7 @@ class Cluster:
         while pending:
             ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                stuck = ", ".join(str(r.rank) for r in pending.values())
-                raise TimeoutError(f"ranks {stuck} did not join the process group within "
+                raise TimeoutError(f"{_ranks(r.rank for r in pending.values())} did not join the process group within "
                                    f"start_timeout={self.start_timeout:g}s")
             for conn in ready:
                 r = pending.pop(conn)
@@ -327,13 +332,12 @@ class Cluster:
                 deadline = min(deadline, time.monotonic() + _GRACE_S)
         if not pending and not failed:
             return results
-        stuck = ", ".join(str(r.rank) for r in pending.values())
         notes = []
         if pending:
             stacks = "\n\n".join(f"--- rank {r.rank} ---\n{r.dump_stack()}" for r in self._ranks
                                  if r.proc.poll() is None)
             self.close(polite=False)
-            notes.append(f"ranks {stuck} of {n} had not finished"
+            notes.append(f"{_ranks(r.rank for r in pending.values())} of {n} had not finished"
                          + ("" if failed else f" within timeout={timeout:g}s")
                          + "; the cluster's ranks were stopped and its next run() starts new ones"
                          + f"\n\nwhere every rank was:\n{stacks}")
@@ -341,7 +345,7 @@ class Cluster:
             raise TimeoutError("\n".join(notes))
         first, *others = sorted(failed)
         if others:
-            notes.insert(0, "ranks " + ", ".join(map(str, others)) + " failed too")
+            notes.insert(0, f"{_ranks(others)} failed too")
         err = failed[first]("\n".join(notes))
         raise err from err.exception
 
