@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -90,6 +91,12 @@ class NonFiniteWatch:
         return hook
 
     def __enter__(self) -> NonFiniteWatch:
+        # A module whose inputs need no gradient (the embedding of token ids) gets an empty grad_input, and
+        # torch warns about it on every backward; for this watch that is expected (nothing to blame there).
+        self._quiet = warnings.catch_warnings()
+        self._quiet.__enter__()
+        warnings.filterwarnings("ignore", "Full backward hook is firing when gradients are computed with respect to "
+                                "module outputs", UserWarning)
         for name, module in self.model.named_modules():
             if isinstance(module, torch.nn.ModuleList | torch.nn.ModuleDict):
                 continue  # containers never run their own forward
@@ -102,6 +109,7 @@ class NonFiniteWatch:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._quiet.__exit__(*exc)
 
     def check_grads(self) -> list[str]:
         """Names of the parameters whose .grad holds NaN or inf (also kept in `bad_grads`)."""
