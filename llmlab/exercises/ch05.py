@@ -1,0 +1,274 @@
+"""Checks for chapter 5's exercises (solutions/05_hardware.ipynb): a step's compute, its all-reduce, a run's days.
+
+    from llmlab.exercises import ch05 as check
+    check.compute_seconds(compute_seconds)                  # 5.1
+    check.allreduce_seconds(gradient_allreduce_seconds)     # 5.2
+    check.training_time(training_time)                      # 5.3
+
+Each check compares the learner's answer with llmlab's own (llmlab.flops, llmlab.dist.cost's α-β model,
+llmlab.hardware.cluster.step_time) on the material's cases first — GPT-3 on 1024 A100s, a 7B model over "A100 NVLink
+600 GB/s" and "100 Gbps RDMA" — then on fresh random ones. When an answer matches a known mistake it says so: the
+spec sheet's FP32 column instead of bf16 dense, 2·N instead of 6·N, MFU left out; Gb/s read as GB/s, NVLink's
+total of both directions used as one direction, the ring's 2(n−1)/n factor left out, the wrong bytes per
+gradient; communication assumed hidden behind compute, Megatron's TP all-reduces miscounted, the links swapped.
+Where one wrong answer fits two mistakes (it can, e.g. fp32 gradients counted as bf16 over a quoted bidirectional
+link), both are named.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from llmlab.exercises.checks import Mismatch, check
+
+__all__ = ["compute_seconds", "allreduce_seconds", "training_time", "UNITS", "link_quote", "training_cases"]
+
+# bytes per second, in one direction, that one unit of a quoted link figure stands for
+_BYTES_PER_S = {"GB/s per direction": 1e9, "GB/s both directions": 0.5e9, "Gb/s per direction": 1e9 / 8}
+UNITS = tuple(_BYTES_PER_S)
+_NODE_LINKS = ("nvlink4", "nvlink3", "pcie5", "pcie4")  # inside one 8-GPU node
+_NETWORK_LINKS = ("rdma100", "rdma200", "ib_ndr400")  # across nodes
+_ACCELERATORS = ("A100 SXM", "H100 SXM", "H100 PCIe", "H200 SXM", "B200", "MI250X", "MI250")
+
+
+def _rng() -> random.Random:
+    return random.Random()  # fresh inputs on every run: an answer cannot be tuned to fixed cases
+
+
+def _number(value, what: str) -> float:
+    if isinstance(value, bool):
+        raise Mismatch(f"{what}: got bool {value!r}, expected a number")
+    try:  # an int, a float, a 0-d tensor or a NumPy scalar
+        return float(value)
+    except (TypeError, ValueError):
+        raise Mismatch(f"{what}: got {type(value).__name__} {value!r}, expected a number") from None
+
+
+def _close(got: float, want: float) -> bool:
+    # the same products and quotients in another order differ by ~1e-16 relative; the smallest mistake named here,
+    # a missing latency term, is still ≥ 5e-8 of the time in every case drawn; 1e-15 s lets a 0 s all-reduce be 0
+    return math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-15)
+
+
+def _compare(got: float, want: float, what: str, mistakes: list[tuple[float, str]], unit: str = " s") -> None:
+    """Pass if `got` is `want`; else raise Mismatch naming every mistake whose value `got` equals."""
+    if _close(got, want):
+        return
+    known = [text for value, text in mistakes if _close(got, value)]
+    raise Mismatch(f"{what} = {got:.6g}{unit}, expected {want:.6g}{unit}" + (": " + " — or: ".join(known) if known
+                                                                            else ""))
+
+
+# --- 5.1: the compute time of a training step ------------------------------------------------------------------
+
+@check("5.1", "compute time of a training step",
+       hint="6·N·tokens FLOPs (forward 2·N per token, backward 4·N) over gpus × the bf16 dense tensor-core peak "
+            "(SPECS[gpu].bf16_tflops × 1e12 FLOP/s, not the FP32 column) × mfu")
+def compute_seconds(fn):
+    """`fn(n_params, tokens, gpus, gpu, mfu)`: seconds of arithmetic in one step (gpu a key of SPECS)."""
+    from llmlab import flops
+    from llmlab.hardware import SPECS
+
+    rng = _rng()
+    cases = [(175e9, 1536 * 2048, 1024, "A100 SXM", 0.45),  # GPT-3's step (3.1M tokens) on 1024 A100s
+             (7e9, 2**20, 64, "H100 SXM", 0.4),  # C15's step: a 7B model, 2^20 tokens, 64 H100s
+             (1.3e9, 2**19, 1, "MI250X", 1.0)]  # one GPU at the peak
+    cases += [(rng.uniform(1e8, 1e12), rng.choice([2**17, 2**19, 2**20, 2**22]) * rng.randint(1, 4),
+               rng.choice([1, 8, 64, 512, 2048]), rng.choice(_ACCELERATORS), rng.uniform(0.25, 0.6))
+              for _ in range(6)]
+    for n_params, tokens, gpus, gpu, mfu in cases:
+        what = f"compute_seconds(n_params={n_params:.4g}, tokens={tokens}, gpus={gpus}, gpu={gpu!r}, mfu={mfu:.3g})"
+        got = _number(fn(n_params, tokens, gpus, gpu, mfu), what)
+        spec = SPECS[gpu]
+        want = flops.training_days(flops.training_flops(n_params, tokens), gpus, spec.peak_flops("bf16"), mfu) \
+            * flops.SECONDS_PER_DAY
+        ratio = spec.bf16_tflops / spec.fp32_tflops
+        mistakes = [
+            (want * ratio, f"{ratio:.3g}× too long: that is the FP32 column ({spec.fp32_tflops:g} TFLOP/s on the SIMT "
+                           f"cores, the one the material's table prints); training runs in bf16 on the tensor cores, "
+                           f"{spec.bf16_tflops:g} TFLOP/s dense"),
+            (want / 3, "a third: 2·N·tokens is the forward pass only; the backward pass costs twice the forward, so a "
+                       "training step is 6·N·tokens"),
+            (want / 6, "6× too short: a step is 6·N·tokens FLOPs, not N·tokens"),
+            (want * mfu, f"that is the time at 100% of the peak: the GPUs reach mfu = {mfu:.3g} of it, so divide by "
+                         "mfu too"),
+            (want / 2, "half: that is the 2:4-sparse tensor figure, which dense training does not reach"),
+            (want * 1e12, "1e12× too long: the spec sheet is in TFLOP/s, so multiply by 1e12 for FLOP/s"),
+        ]
+        _compare(got, want, what, mistakes)
+
+
+# --- 5.2: the gradient all-reduce over a link, from the vendor's figure ---------------------------------------
+
+def link_quote(key: str) -> tuple[float, str]:
+    """How LINKS[key]'s bandwidth is quoted: (figure, unit). NVLink as spec sheets do (both directions added: 900
+    GB/s for NVLink 4 = SPECS["H100 SXM"].link_gbs), networks as NICs are sold (Gb/s per direction), PCIe per
+    direction in GB/s."""
+    from llmlab.dist import cost
+
+    if key not in cost.LINKS:
+        raise ValueError(f"key={key!r} is not a link; choose from {', '.join(cost.LINKS)}")
+    unit = "GB/s both directions" if key.startswith("nvlink") else \
+        "Gb/s per direction" if key in _NETWORK_LINKS else "GB/s per direction"
+    return round(1 / cost.LINKS[key].beta / _BYTES_PER_S[unit], 6), unit  # rounded: 900.0, not 900.0000000001
+
+
+def _allreduce_cases(rng: random.Random):
+    import torch
+
+    cases = [(7e9, torch.bfloat16, 8, "nvlink3"),  # the material's "A100 NVLink 600 GB/s", one node
+             (7e9, torch.bfloat16, 64, "rdma100"),  # its "at least 100 Gbps RDMA", 8 nodes (C15)
+             (1.3e9, torch.float32, 1, "ib_ndr400")]  # one rank: nothing to send
+    for _ in range(8):
+        key = rng.choice(_NODE_LINKS + _NETWORK_LINKS)
+        n = rng.randint(2, 8) if key in _NODE_LINKS else rng.choice([2, rng.randint(3, 64), rng.randint(65, 2048)])
+        cases.append((float(rng.randint(10**8, 2 * 10**11)), rng.choice([torch.bfloat16, torch.float16,
+                                                                        torch.float32]), n, key))
+    return cases
+
+
+def _allreduce_reference(n_params: float, dtype, n: int, bandwidth: float, unit: str, alpha: float):
+    """(seconds, [(seconds with a plausible mistake, the mistake in words), ...]) of one 5.2 case."""
+    from llmlab.dist import cost
+
+    size, per_s = dtype.itemsize, bandwidth * _BYTES_PER_S[unit]  # bytes per element; bytes/s in one direction
+
+    def ring(nbytes=n_params * size, bytes_per_s=per_s):
+        return cost.ring_allreduce_time(nbytes, n, alpha, 1 / bytes_per_s)
+
+    want, latency = ring(), cost.ring_allreduce_time(0, n, alpha, 0)
+    mistakes = [(ring(n_params * wrong), f"the gradients are {dtype}: {size} bytes per element, not {wrong}")
+                for wrong in (2, 4) if wrong != size]
+    if unit.startswith("Gb/s"):
+        mistakes.append((ring(bytes_per_s=8 * per_s), f"{bandwidth:g} Gb/s is gigabits per second: divide by 8 "
+                                                      f"for bytes ({bandwidth:g} Gb/s = {bandwidth / 8:g} GB/s)"))
+    if unit.endswith("both directions"):
+        mistakes.append((ring(bytes_per_s=2 * per_s), f"{bandwidth:g} GB/s adds both directions; in a ring "
+                                                      f"each link carries one direction's traffic, at "
+                                                      f"{bandwidth / 2:g} GB/s"))
+    mistakes += [
+        (latency + n_params * size / per_s, "the bandwidth term is S/B: a ring all-reduce sends 2(n−1)/n · S per "
+                                            "rank (n−1 chunks of S/n in each of its two phases)"),
+        (latency + 2 * n_params * size / per_s, "the bandwidth term is 2·S/B: the factor is 2(n−1)/n, which only "
+                                                "approaches 2 for large n"),
+        (want - latency, f"the latency is missing: 2(n−1) = {2 * (n - 1)} messages of α = {alpha:g} s each"),
+        (ring(bytes_per_s=per_s / 1e9), "a GB is 1e9 bytes (a Gb 1e9 bits): convert the figure to bytes per second"),
+    ]
+    return want, mistakes
+
+
+@check("5.2", "gradient all-reduce time over a link",
+       hint="S = n_params × grad_dtype.itemsize bytes; B = the bandwidth of one direction in bytes/s (Gb/s ÷ 8 → "
+            "GB/s; a figure of both directions ÷ 2; GB/s × 1e9); ring all-reduce: 2(n−1)·α + 2(n−1)/n · S/B")
+def allreduce_seconds(fn):
+    """`fn(n_params, grad_dtype, n, bandwidth, unit, alpha)`: seconds of a ring all-reduce of the gradients."""
+    from llmlab.dist import cost
+
+    for n_params, dtype, n, key in _allreduce_cases(_rng()):
+        bandwidth, unit = link_quote(key)
+        alpha = cost.LINKS[key].alpha
+        what = (f"gradient_allreduce_seconds(n_params={n_params:.4g}, grad_dtype={dtype}, n={n}, "
+                f"bandwidth={bandwidth:g}, unit={unit!r}, alpha={alpha:g}) [{cost.LINKS[key].name}]")
+        got = _number(fn(n_params, dtype, n, bandwidth, unit, alpha), what)
+        want, mistakes = _allreduce_reference(n_params, dtype, n, bandwidth, unit, alpha)
+        _compare(got, want, what, mistakes)
+
+
+# --- 5.3: a cluster's step time and training days -----------------------------------------------------------
+
+def _compute_bound(config) -> bool:
+    """Is every weight GEMM of `config` compute-bound on its GPU, so that step_time's rate is the bf16 peak?"""
+    from llmlab.hardware import SPECS, cluster
+
+    return math.isclose(cluster.step_time(config).attainable_flops, SPECS[config.gpu].peak_flops("bf16"),
+                        rel_tol=1e-12)
+
+
+def _random_config(rng: random.Random):
+    from llmlab.hardware import cluster
+    from llmlab.model import GPTConfig
+
+    shapes = [(32, 32, 4096), (40, 40, 5120), (60, 56, 7168), (80, 64, 8192), (96, 96, 12288)]
+    n_layer, n_head, n_embd = rng.choice(shapes)  # every n_head divisible by every tp drawn below
+    model = GPTConfig(vocab_size=rng.choice([32000, 50257]), block_size=rng.choice([2048, 4096]), n_layer=n_layer,
+                      n_head=n_head, n_embd=n_embd, bias=False)
+    dp, tp = rng.choice([2, 4, 16, 64, 256]), rng.choice([2, 4, 8])
+    micro_batches = rng.choice([1, 2, 4, 8])
+    return cluster.ClusterConfig(
+        model=model, tokens=rng.uniform(1e11, 2e12), batch_tokens=dp * micro_batches * rng.choice([2048, 4096, 8192]),
+        gpu=rng.choice(_ACCELERATORS), gpus=dp * tp, link=rng.choice(_NETWORK_LINKS + ("pcie5",)), dp=dp, tp=tp,
+        micro_batches=micro_batches, tp_link=rng.choice(_NODE_LINKS), mfu=rng.uniform(0.3, 0.55),
+        bytes_per_param=rng.choice([2, 4]))
+
+
+def training_cases(rng: random.Random | None = None) -> list:
+    """The ClusterConfigs the 5.3 check runs (pp = 1, every GEMM compute-bound): GPT-3 laid out as dp 128 × tp 8 on
+    1024 A100s, C15's 7B step on 64 H100s, GPT-2 on one node, then fresh random ones."""
+    from llmlab.hardware import cluster
+
+    rng = rng or _rng()
+    cases = [cluster.preset("gpt3-175b-1024xA100", dp=128, pp=1, micro_batches=12),  # every part non-zero: first
+             cluster.preset("7b-64xH100"), cluster.preset("gpt2-8xH100")]
+    while len(cases) < 9:
+        config = _random_config(rng)
+        if _compute_bound(config):  # else step_time's rate is below the peak the exercise text prices it at
+            cases.append(config)
+    return cases
+
+
+def _describe(c) -> str:
+    return (f"{c.n_params / 1e9:.3g}B parameters on {c.gpus}× {c.gpu} (dp={c.dp} over {c.link}, tp={c.tp} over "
+            f"{c.tp_link}), {c.batch_tokens} tokens per step in {c.micro_batches} micro-batch(es), mfu={c.mfu:.3g}, "
+            f"{c.bytes_per_param}-byte gradients, {c.tokens:.3g} tokens")
+
+
+def _step_mistakes(c, t) -> list[tuple[float, str]]:
+    """What a step time with one of the plausible mistakes comes to, and the mistake in words."""
+    from llmlab.dist import cost
+    from llmlab.hardware import cluster
+
+    link = cost.LINKS[c.link]
+    whole = cost.ring_allreduce_time(c.n_params * c.bytes_per_param, c.dp, link.alpha, link.beta)
+    swapped = cluster.step_time(c.with_(link=c.tp_link, tp_link=c.link)).total
+    return [
+        (t.compute, "that is the compute alone: this model overlaps nothing, so the DP and TP all-reduces add to it"),
+        (max(t.compute, t.comm), "max(compute, communication) assumes a perfect overlap; the library's model (an "
+                                 "upper bound) adds them"),
+        (t.compute + t.dp_allreduce, "the TP all-reduces are missing: 4 per layer per micro-batch"),
+        (t.compute + t.tp_allreduce, "the gradient all-reduce over the dp ranks is missing"),
+        (t.compute + t.dp_allreduce + t.tp_allreduce / 2, "half the TP all-reduce time: Megatron all-reduces twice "
+                                                          "forward and twice backward per layer, 4 in all"),
+        (t.compute + t.dp_allreduce + t.tp_allreduce / c.micro_batches,
+         f"the TP all-reduces counted once per step: they happen in every one of the {c.micro_batches} micro-batches"),
+        (t.compute + whole + t.tp_allreduce, f"the gradients of the whole model: with tp={c.tp} each GPU holds N/tp "
+                                             "of them, and only those cross the dp ring"),
+        (swapped, f"the links are swapped: gradients cross nodes over config.link ({c.link}), the TP all-reduces "
+                  f"stay in the node on config.tp_link ({c.tp_link})"),
+    ]
+
+
+@check("5.3", "step time and training days of a cluster",
+       hint="step = compute + DP all-reduce + TP all-reduce (nothing overlaps): compute = 6·N·batch_tokens / "
+            "(gpus · bf16 peak · mfu); DP = ring over dp ranks on config.link of N/tp × bytes_per_param bytes; "
+            "TP = 4 · n_layer · micro_batches rings over tp ranks on config.tp_link of micro_tokens × n_embd × "
+            "bytes_per_activation bytes; days = (tokens / batch_tokens) · step / 86,400")
+def training_time(fn):
+    """`fn(config)` for a ClusterConfig with pp = 1: (seconds per step, days of training)."""
+    from llmlab import flops
+    from llmlab.hardware import cluster
+
+    for c in training_cases():
+        what = f"training_time({_describe(c)})"
+        answer = fn(c)
+        if not isinstance(answer, tuple | list) or len(answer) != 2:
+            raise Mismatch(f"{what} returned {answer!r}; expected a pair (seconds per step, days)")
+        step, days = _number(answer[0], f"{what}'s step time"), _number(answer[1], f"{what}'s days")
+        t = cluster.step_time(c)
+        _compare(step, t.total, f"{what}: the step", _step_mistakes(c, t))
+        _compare(days, t.days, f"{what}: the training", [
+            (t.days * 24, "that is hours: a day has 24 h (86,400 s)"),
+            (t.days * flops.SECONDS_PER_DAY, "that is seconds: divide by 86,400 for days"),
+            (t.days * c.batch_tokens, "steps = tokens / batch_tokens: you counted a step per token"),
+            (t.days * c.gpus, "that is GPU-days (× gpus); the run's wall-clock days are steps × step / 86,400"),
+        ], unit=" days")

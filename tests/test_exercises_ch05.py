@@ -1,0 +1,132 @@
+"""Chapter 5's exercise checks (llmlab.exercises.ch05): each passes a right answer, reports an unwritten one as not
+attempted, and fails each named mistake — the FP32 column, a forward-only step, MFU left out; Gb/s read as GB/s,
+NVLink's two directions added, the ring's 2(n−1)/n factor left out, 4-byte gradients; communication overlapped,
+TP all-reduces miscounted, links swapped, hours for days — with its message and the hint."""
+
+import random
+
+import pytest
+import torch
+from grading import fails, not_attempted, passes
+
+from llmlab.dist import cost
+from llmlab.exercises import ch05
+from llmlab.hardware import SPECS, cluster
+
+
+def unwritten(*args):
+    raise NotImplementedError("Exercise 5.x")
+
+
+# --- 5.1 ----------------------------------------------------------------------------------------------------
+
+def compute_seconds(n_params, tokens, gpus, gpu, mfu, column="bf16_tflops", flops_per_token=6, use_mfu=True):
+    peak = getattr(SPECS[gpu], column) * 1e12
+    return flops_per_token * n_params * tokens / (gpus * peak * (mfu if use_mfu else 1.0))
+
+
+def test_compute_seconds(capsys):
+    passes(ch05.compute_seconds, compute_seconds, capsys=capsys)
+    not_attempted(ch05.compute_seconds, unwritten, capsys=capsys)
+    hint = "not the FP32 column"
+    fails(ch05.compute_seconds, lambda *a: compute_seconds(*a, column="fp32_tflops"),
+          match=r"16× too long: that is the FP32 column \(19.5 TFLOP/s .*312 TFLOP/s dense", hint=hint)
+    fails(ch05.compute_seconds, lambda *a: compute_seconds(*a, flops_per_token=2),
+          match="a third: 2·N·tokens is the forward pass only", hint=hint)
+    fails(ch05.compute_seconds, lambda *a: compute_seconds(*a, use_mfu=False),
+          match="the time at 100% of the peak: .* divide by mfu too", hint=hint)
+    fails(ch05.compute_seconds, lambda *a: compute_seconds(*a, column="bf16_sparse_tflops"),
+          match="the 2:4-sparse tensor figure", hint=hint)
+    fails(ch05.compute_seconds, lambda *a: "slow", match="got str 'slow', expected a number", hint=hint)
+
+
+# --- 5.2 ----------------------------------------------------------------------------------------------------
+
+BYTES_PER_S = {"GB/s per direction": 1e9, "GB/s both directions": 0.5e9, "Gb/s per direction": 1e9 / 8}
+
+
+def allreduce(n_params, dtype, n, bandwidth, unit, alpha, per_s=BYTES_PER_S, size=None, factor=True):
+    nbytes = n_params * (size or dtype.itemsize)
+    return 2 * (n - 1) * alpha + (2 * (n - 1) / n if factor else 1) * nbytes / (bandwidth * per_s[unit])
+
+
+def test_allreduce_seconds(capsys):
+    passes(ch05.allreduce_seconds, allreduce, capsys=capsys)
+    not_attempted(ch05.allreduce_seconds, unwritten, capsys=capsys)
+    hint = "2(n−1)·α + 2(n−1)/n · S/B"
+    fails(ch05.allreduce_seconds, lambda *a: allreduce(*a, per_s=BYTES_PER_S | {"Gb/s per direction": 1e9}),
+          match=r"100 Gb/s is gigabits per second: divide by 8 for bytes \(100 Gb/s = 12.5 GB/s\)", hint=hint)
+    fails(ch05.allreduce_seconds, lambda *a: allreduce(*a, per_s=BYTES_PER_S | {"GB/s both directions": 1e9}),
+          match="600 GB/s adds both directions; .* at 300 GB/s", hint=hint)
+    fails(ch05.allreduce_seconds, lambda *a: allreduce(*a, factor=False),
+          match=r"the bandwidth term is S/B: a ring all-reduce sends 2\(n−1\)/n · S", hint=hint)
+    fails(ch05.allreduce_seconds, lambda *a: allreduce(*a, size=4),
+          match="the gradients are torch.bfloat16: 2 bytes per element, not 4", hint=hint)
+    fails(ch05.allreduce_seconds, lambda n_params, dtype, n, bandwidth, unit, alpha: allreduce(
+        n_params, dtype, n, bandwidth, unit, 0.0), match=r"the latency is missing: 2\(n−1\) = 14 messages", hint=hint)
+
+
+def test_a_mistake_that_fits_two_explanations_names_both():
+    _, mistakes = ch05._allreduce_reference(1e9, torch.float32, 8, 900, "GB/s both directions", 0.6e-6)
+    bidirectional = next(v for v, text in mistakes if "adds both directions" in text)
+    with pytest.raises(ch05.Mismatch, match="bytes per element, not 2 — or: 900 GB/s adds both directions"):
+        ch05._compare(bidirectional, 1.0, "x", mistakes)
+
+
+def test_link_quotes_are_the_vendors_figures_and_give_the_librarys_times():
+    assert ch05.link_quote("nvlink4") == (SPECS["H100 SXM"].link_gbs, "GB/s both directions")
+    assert ch05.link_quote("nvlink3") == (SPECS["A100 SXM"].link_gbs, "GB/s both directions")
+    assert ch05.link_quote("rdma100") == (100, "Gb/s per direction")
+    for key in cost.LINKS:  # the reference of 5.2, from the quote, is C15's time over that link
+        bandwidth, unit = ch05.link_quote(key)
+        want, _ = ch05._allreduce_reference(7e9, torch.bfloat16, 64, bandwidth, unit, cost.LINKS[key].alpha)
+        assert want == pytest.approx(cost.gradient_allreduce_times(7e9, 64)[key], rel=1e-12)  # only rounding
+    with pytest.raises(ValueError, match="key='nvlink9' is not a link"):
+        ch05.link_quote("nvlink9")
+
+
+# --- 5.3 ----------------------------------------------------------------------------------------------------
+
+def training_time(c, overlap=False, tp_per_layer=4, per_micro_batch=True, shard_grads=True, swap=False,
+                  per_day=86_400):
+    link, tp_link = cost.LINKS[c.link], cost.LINKS[c.tp_link]
+    if swap:
+        link, tp_link = tp_link, link
+    compute = compute_seconds(c.n_params, c.batch_tokens, c.gpus, c.gpu, c.mfu)
+    grads = c.n_params / (c.tp if shard_grads else 1) * c.bytes_per_param
+    dp = cost.ring_allreduce_time(grads, c.dp, link.alpha, link.beta)
+    activation = c.micro_tokens * c.model.n_embd * c.bytes_per_activation
+    rings = tp_per_layer * c.model.n_layer * (c.micro_batches if per_micro_batch else 1)
+    tp = rings * cost.ring_allreduce_time(activation, c.tp, tp_link.alpha, tp_link.beta)
+    step = max(compute, dp + tp) if overlap else compute + dp + tp
+    return step, c.tokens / c.batch_tokens * step / per_day
+
+
+def test_training_time(capsys):
+    passes(ch05.training_time, training_time, capsys=capsys)
+    not_attempted(ch05.training_time, unwritten, capsys=capsys)
+    hint = "nothing overlaps"
+    for mistake, match in [
+        (dict(overlap=True), r"max\(compute, communication\) assumes a perfect overlap"),
+        (dict(tp_per_layer=0), "the TP all-reduces are missing: 4 per layer per micro-batch"),
+        (dict(tp_per_layer=2), "half the TP all-reduce time: Megatron all-reduces twice forward and twice backward"),
+        (dict(per_micro_batch=False), "the TP all-reduces counted once per step: .* of the 12 micro-batches"),
+        (dict(shard_grads=False), "the gradients of the whole model: with tp=8 each GPU holds N/tp"),
+        (dict(swap=True), r"the links are swapped: gradients cross nodes over config.link \(rdma200\)"),
+        (dict(per_day=3600), "the training = .* days: that is hours"),
+    ]:
+        fails(ch05.training_time, lambda c, m=mistake: training_time(c, **m), match=match, hint=hint)
+    fails(ch05.training_time, lambda c: training_time(c)[0], match="expected a pair", hint=hint)
+    comm_free = lambda c: (compute_seconds(c.n_params, c.batch_tokens, c.gpus, c.gpu, c.mfu), 1.0)
+    fails(ch05.training_time, comm_free, match="that is the compute alone", hint=hint)
+
+
+def test_training_cases_are_compute_bound_with_no_pipeline():
+    configs = [c for seed in range(20) for c in ch05.training_cases(random.Random(seed))]
+    for c in configs:
+        t = cluster.step_time(c)
+        # the exercise prices compute at the bf16 peak: step_time's roofline rate must be exactly that
+        assert t.attainable_flops == pytest.approx(SPECS[c.gpu].peak_flops("bf16"), rel=1e-12)
+        assert c.pp == 1 and t.pp_send == 0 and t.pp_bubble == 0
+    first = cluster.step_time(configs[0])  # every part non-zero, so each named mistake shows in the first case
+    assert min(first.compute, first.dp_allreduce, first.tp_allreduce) > 0 and configs[0].micro_batches > 2
