@@ -19,13 +19,10 @@ import math
 import random
 import textwrap
 
-from llmlab.exercises.checks import Mismatch, assert_close, check
+from llmlab.exercises.checks import Mismatch, assert_close, check, fresh_rng
 
 __all__ = ["block_flops", "gemm_roofline", "gemm_k_loop", "implied_mfu", "K_LOOP_BLOCKS", "k_loop_shapes"]
 
-
-def _rng() -> random.Random:
-    return random.Random()  # fresh inputs on every run: an answer cannot be tuned to fixed cases
 
 
 def _number(value, what: str) -> float:
@@ -64,7 +61,7 @@ def _block_cases(rng: random.Random) -> list[tuple[int, int, int, int]]:
             "(T×T per head: n_head matmuls of head size C/n_head each), output projection (C→C), MLP up (C→4C) and "
             "down (4C→C); an (m, k) @ (k, n) matmul costs 2·m·n·k FLOPs")
 def block_flops(fn):
-    for B, T, C, n_head in _block_cases(_rng()):
+    for B, T, C, n_head in _block_cases(fresh_rng()):
         what = f"block_flops(B={B}, T={T}, C={C}, n_head={n_head})"
         got = _number(fn(B, T, C, n_head), what)
         matmuls = _block_matmuls(B, T, C, n_head)
@@ -109,7 +106,7 @@ def _roofline_cases(rng: random.Random):
 def gemm_roofline(fn):
     from llmlab.hardware import roofline
 
-    for m, n, k, nbytes, peak, bandwidth, gpu in _roofline_cases(_rng()):
+    for m, n, k, nbytes, peak, bandwidth, gpu in _roofline_cases(fresh_rng()):
         what = f"gemm_roofline(m={m}, n={n}, k={k}, bytes_per_element={nbytes}, peak_flops={peak:.4g}, " \
                f"bandwidth={bandwidth:.4g}) [{gpu}]"
         answer = fn(m, n, k, nbytes, peak, bandwidth)
@@ -141,7 +138,7 @@ K_LOOP_BLOCKS = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)  # tl.dot needs every t
 
 def k_loop_shapes() -> list[tuple[int, int, int]]:
     """(M, N, K) shapes the K-loop check runs: the edge cases, then fresh random odd ones."""
-    rng = _rng()
+    rng = fresh_rng()
     shapes = [(1, 1, 1),  # a single partial tile in every dimension
               (32, 32, 32),  # whole tiles only: what a loop without masks gets right
               (17, 33, 65),  # K = 4 whole blocks + 1: the last K block holds one column
@@ -299,7 +296,7 @@ def implied_mfu(fn):
     from llmlab import flops
     from llmlab.hardware import SPECS
 
-    rng = _rng()
+    rng = fresh_rng()
     cases = [(175e9, 300e9, 1000, 34.0, SPECS["A100 SXM"].peak_flops("bf16"))]  # the course text's GPT-3 claim
     for _ in range(5):
         spec = SPECS[rng.choice([name for name in SPECS if name != "laptop CPU"])]

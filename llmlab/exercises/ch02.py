@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 
 from llmlab.exercises import checks
-from llmlab.exercises.checks import Mismatch, assert_close, check
+from llmlab.exercises.checks import Mismatch, assert_close, check, fresh_rng
 
 __all__ = ["average_gradients", "column_parallel_linear", "update_scale", "cluster", "close_cluster", "WORLD_SIZE",
            "PARTITIONS"]
@@ -44,9 +44,6 @@ def cluster():
 
 close_cluster = checks.close_clusters
 
-
-def _rng() -> random.Random:
-    return random.Random()  # fresh inputs on every run: an answer cannot be tuned to fixed cases
 
 
 # --- on the ranks -------------------------------------------------------------------------------------------
@@ -161,7 +158,7 @@ def average_gradients(fn):
     (or return the list of averages)."""
     import torch
 
-    rng = _rng()
+    rng = fresh_rng()
     cases = _average_cases(rng)
     for partition in PARTITIONS:
         for r in _run(_average_on_rank, fn, partition, cases):
@@ -231,7 +228,7 @@ def column_parallel_linear(fn):
     or None this rank's shard → this rank's slice (..., out/N) of the output, with gradients flowing back."""
     import torch
 
-    rng = _rng()
+    rng = fresh_rng()
     cases = _column_cases(rng)
     for partition in PARTITIONS:
         for r in _run(_column_on_rank, fn, partition, cases):
@@ -331,7 +328,7 @@ def _grad_scaler_trajectory(init_scale, growth_factor, backoff_factor, growth_in
 def update_scale(fn):
     """`fn(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)` → (new scale, new
     growth_tracker), after one step; compared with torch.amp.GradScaler step by step."""
-    for init, growth, backoff, interval, steps in _scaler_sequences(_rng()):
+    for init, growth, backoff, interval, steps in _scaler_sequences(fresh_rng()):
         scale, tracker = init, 0
         for t, ((want_scale, want_tracker), step) in enumerate(zip(
                 _grad_scaler_trajectory(init, growth, backoff, interval, steps), steps, strict=True)):

@@ -32,7 +32,7 @@ import math
 import random
 
 from llmlab.exercises import checks
-from llmlab.exercises.checks import Mismatch, assert_close, check
+from llmlab.exercises.checks import Mismatch, assert_close, check, fresh_rng
 
 __all__ = ["adamw_shard_step", "checkpoint", "pack_hooks", "close", "WORLD_SIZES", "MAX_BYTES_RATIO",
            "GRAD_ERROR_FACTOR", "stored_bytes"]
@@ -49,9 +49,6 @@ GRAD_ERROR_FACTOR = 4.0
 
 _groups: dict = {}  # on the ranks: world size -> its process group (None on ranks outside it)
 
-
-def _rng() -> random.Random:
-    return random.Random()  # fresh inputs on every run: an answer cannot be tuned to fixed cases
 
 
 close = checks.close_clusters  # stop the checks' ranks now (they also stop at interpreter exit)
@@ -287,7 +284,7 @@ def adamw_shard_step(fn):
     shard returned); step counts from 1."""
     import torch
 
-    cases = _zero_cases(_rng())
+    cases = _zero_cases(fresh_rng())
     per_rank = _ranks().run(_zero1_on_rank, fn, cases, timeout=TIMEOUT_S)
     tol = dict(rtol=1e-9, atol=1e-12)  # float64, the same operations up to their order: ~1e-15 apart
     for i, case in enumerate(cases):
@@ -389,7 +386,7 @@ def checkpoint(fn):
     from llmlab.memory import checkpoint as library
     from llmlab.model import GPTConfig
 
-    rng = _rng()
+    rng = fresh_rng()
     # T = 1 and a single block; then sizes where one block's input (≥ 16 KB) is far more than the slack below
     for n_blocks, B, T, p in ((1, 1, 1, 0.5), (3, rng.randint(2, 3), rng.choice([33, 47]), 0.2),
                               (2, rng.randint(2, 4), 64, 0.1)):
@@ -520,7 +517,7 @@ def _bound(t):
 def _round_trip(pack, unpack):
     import torch
 
-    for what, t in _round_trip_cases(_rng()):
+    for what, t in _round_trip_cases(fresh_rng()):
         original = t.clone()
         out = unpack(pack(t))
         if not torch.equal(t, original):
@@ -617,7 +614,7 @@ def pack_hooks(pack, unpack):
     from llmlab.memory.measure import is_parameter
 
     _round_trip(pack, unpack)
-    seed = _rng().randrange(2**31)
+    seed = fresh_rng().randrange(2**31)
     loss, exact, _ = _gpt_step(None, seed)
     got_loss, got, counts = _gpt_step((pack, unpack), seed)
     where = "one step of the tiny GPT (fp32, batch 4 × 64) under your hooks"

@@ -33,7 +33,7 @@ import random
 import re
 
 from llmlab.exercises import checks
-from llmlab.exercises.checks import Mismatch, assert_close, check
+from llmlab.exercises.checks import Mismatch, assert_close, check, fresh_rng
 
 __all__ = ["ring_reduce_scatter", "ring_all_gather", "accumulate", "ring_time", "close", "WORLD_SIZES",
            "TIMEOUT_S"]
@@ -42,9 +42,6 @@ WORLD_SIZES = (2, 3, 4, 5)
 TIMEOUT_S = 30.0  # the reference answers all cases in well under a second; more means a rank is stuck
 _groups: dict = {}  # on the ranks: world size → its process group (None: the default group)
 
-
-def _rng() -> random.Random:
-    return random.Random()  # fresh cases on every run: an answer cannot be tuned to fixed inputs
 
 
 close = checks.close_clusters  # stop the checks' ranks now (they also stop at interpreter exit)
@@ -207,7 +204,7 @@ def ring_reduce_scatter(fn):
     """`fn(tensor, group)` on every rank of `group`: this rank's chunk of the sum over ranks (1-D, new)."""
     import torch
 
-    cases = _rs_cases(_rng())
+    cases = _rs_cases(fresh_rng())
     per_rank = _on_ranks(_run_reduce_scatter, fn, cases, "reduce-scatter")
     for i, case in enumerate(cases):
         n = case["n"]
@@ -306,7 +303,7 @@ def ring_all_gather(fn):
     """`fn(chunk, sizes, group)` on every rank: every rank's chunk concatenated in rank order (1-D, new)."""
     import torch
 
-    cases = _ag_cases(_rng())
+    cases = _ag_cases(fresh_rng())
     per_rank = _on_ranks(_run_all_gather, fn, cases, "all-gather")
     for i, case in enumerate(cases):
         n = case["n"]
@@ -359,7 +356,7 @@ def accumulate(fn):
 
     from llmlab.accumulate import accumulate_gradients
 
-    rng = _rng()
+    rng = fresh_rng()
     for trial in range(3):
         k, make_model, batches = _accumulation_case(rng)
         reference = make_model()
@@ -394,7 +391,7 @@ def ring_time(fn):
     """`fn(nbytes, n, alpha, beta)`: seconds of a ring all-reduce of `nbytes` on `n` ranks."""
     from llmlab.dist import cost
 
-    rng = _rng()
+    rng = fresh_rng()
     cases = [(0, 8, 5e-6, 1e-10), (1e6, 1, 5e-6, 1e-10), (64e6, 2, 0.0, 1 / 25e9)]
     cases += [(rng.uniform(1e3, 1e10), rng.randint(2, 1024), rng.uniform(1e-7, 1e-4), 1 / rng.uniform(1e9, 5e11))
               for _ in range(6)]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import random
 
-from llmlab.exercises.checks import Mismatch, check
+from llmlab.exercises.checks import Mismatch, check, fresh_rng
 
 __all__ = ["compute_seconds", "allreduce_seconds", "training_time", "UNITS", "link_quote", "training_cases"]
 
@@ -31,9 +31,6 @@ _NODE_LINKS = ("nvlink4", "nvlink3", "pcie5", "pcie4")  # inside one 8-GPU node
 _NETWORK_LINKS = ("rdma100", "rdma200", "ib_ndr400")  # across nodes
 _ACCELERATORS = ("A100 SXM", "H100 SXM", "H100 PCIe", "H200 SXM", "B200", "MI250X", "MI250")
 
-
-def _rng() -> random.Random:
-    return random.Random()  # fresh inputs on every run: an answer cannot be tuned to fixed cases
 
 
 def _number(value, what: str) -> float:
@@ -70,7 +67,7 @@ def compute_seconds(fn):
     from llmlab import flops
     from llmlab.hardware import SPECS
 
-    rng = _rng()
+    rng = fresh_rng()
     cases = [(175e9, 1536 * 2048, 1024, "A100 SXM", 0.45),  # GPT-3's step (3.1M tokens) on 1024 A100s
              (7e9, 2**20, 64, "H100 SXM", 0.4),  # C15's step: a 7B model, 2^20 tokens, 64 H100s
              (1.3e9, 2**19, 1, "MI250X", 1.0)]  # one GPU at the peak
@@ -165,7 +162,7 @@ def allreduce_seconds(fn):
     """`fn(n_params, grad_dtype, n, bandwidth, unit, alpha)`: seconds of a ring all-reduce of the gradients."""
     from llmlab.dist import cost
 
-    for n_params, dtype, n, key in _allreduce_cases(_rng()):
+    for n_params, dtype, n, key in _allreduce_cases(fresh_rng()):
         bandwidth, unit = link_quote(key)
         alpha = cost.LINKS[key].alpha
         what = (f"gradient_allreduce_seconds(n_params={n_params:.4g}, grad_dtype={dtype}, n={n}, "
@@ -207,7 +204,7 @@ def training_cases(rng: random.Random | None = None) -> list:
     1024 A100s, C15's 7B step on 64 H100s, GPT-2 on one node, then fresh random ones."""
     from llmlab.hardware import cluster
 
-    rng = rng or _rng()
+    rng = rng or fresh_rng()
     cases = [cluster.preset("gpt3-175b-1024xA100", dp=128, pp=1, micro_batches=12),  # every part non-zero: first
              cluster.preset("7b-64xH100"), cluster.preset("gpt2-8xH100")]
     while len(cases) < 9:

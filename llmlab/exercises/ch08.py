@@ -17,13 +17,10 @@ from __future__ import annotations
 import math
 import random
 
-from llmlab.exercises.checks import Mismatch, assert_close, check
+from llmlab.exercises.checks import Mismatch, assert_close, check, fresh_rng
 
 __all__ = ["lora_linear", "top2_router", "lsq", "lsq_inputs"]
 
-
-def _rng() -> random.Random:
-    return random.Random()  # fresh inputs on every run: an answer cannot be tuned to fixed cases
 
 
 def _tensor(value, what: str):
@@ -68,7 +65,7 @@ def lora_linear(cls):
     import torch.nn as nn
     import torch.nn.functional as F
 
-    for n_in, n_out, r, alpha in _lora_cases(_rng()):
+    for n_in, n_out, r, alpha in _lora_cases(fresh_rng()):
         what = f"LoRA(nn.Linear({n_in}, {n_out}), r={r}, alpha={alpha:g})"
         base = nn.Linear(n_in, n_out)
         w0, b0 = base.weight.detach().clone(), base.bias.detach().clone()
@@ -192,7 +189,7 @@ def top2_router(fn):
 
     from llmlab.moe import route
 
-    for T, E, spread in _router_cases(_rng()):
+    for T, E, spread in _router_cases(fresh_rng()):
         what = f"top2_route(logits of shape ({T}, {E}))"
         logits = (torch.randn(T, E) * spread).requires_grad_(True)  # (T, E)
         ref_logits = logits.detach().clone().requires_grad_(True)
@@ -292,7 +289,7 @@ def lsq(fn):
     torch._fake_quantize_learnable_per_tensor_affine(v, step, 0, −Q_N, Q_P, grad_factor=1/√(N·Q_P))."""
     import torch
 
-    for shape, bits in _lsq_cases(_rng()):
+    for shape, bits in _lsq_cases(fresh_rng()):
         q_min, q_max = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
         v, step = lsq_inputs(shape, bits)
         what = f"lsq_fake_quantize(v of shape {shape}, step={step.item():.4g}, bits={bits})"

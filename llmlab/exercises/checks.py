@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import random
 import re
 from dataclasses import asdict, dataclass
 
@@ -40,6 +41,11 @@ MIME_TYPE = "application/vnd.llmlab.check+json"
 
 PASSED, NOT_ATTEMPTED, FAILED = "passed", "not attempted", "failed"
 _ICONS = {PASSED: "✅", NOT_ATTEMPTED: "⏳", FAILED: "❌"}
+
+
+def fresh_rng() -> random.Random:
+    """The random cases of a check: fresh on every run (never seeded), so an answer cannot be tuned to them."""
+    return random.Random()
 
 
 class Mismatch(Exception):
