@@ -323,7 +323,9 @@ def ring_all_gather(fn):
 
 # --- 4.3: gradient accumulation with the right scale --------------------------------------------------------
 
-def _accumulation_case(rng: random.Random):
+def accumulation_case(rng: random.Random):
+    """k micro-batches of a random regression and a function building the same fresh float64 model each time
+    (also the cases of chapter 6's 6.3, which accumulates, unscales and clips)."""
     import torch
 
     k, rows, d_in = rng.randint(2, 6), rng.randint(1, 6), rng.randint(2, 9)
@@ -340,7 +342,7 @@ def _accumulation_case(rng: random.Random):
     return k, model, batches
 
 
-def _mse(model, batch):
+def micro_batch_mse(model, batch):
     import torch
 
     x, y = batch
@@ -358,15 +360,15 @@ def accumulate(fn):
 
     rng = fresh_rng()
     for trial in range(3):
-        k, make_model, batches = _accumulation_case(rng)
+        k, make_model, batches = accumulation_case(rng)
         reference = make_model()
-        accumulate_gradients(reference, _mse, batches)  # the large-batch gradient (equal micro-batches)
+        accumulate_gradients(reference, micro_batch_mse, batches)  # the large-batch gradient (equal micro-batches)
         model = make_model()
         stale = None
         if trial:  # gradients left from an earlier step: the answer must not add to them
-            _mse(model, batches[0]).backward()
+            micro_batch_mse(model, batches[0]).backward()
             stale = [p.grad.clone() for p in model.parameters()]
-        fn(model, _mse, batches)
+        fn(model, micro_batch_mse, batches)
         what = f"{k} micro-batches of {len(batches[0][0])} rows"
         for i, ((name, p), (_, ref)) in enumerate(zip(model.named_parameters(), reference.named_parameters(),
                                                      strict=True)):

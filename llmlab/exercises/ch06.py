@@ -1,0 +1,394 @@
+"""Checks for chapter 6's exercises (solutions/06_tuning.ipynb): the LR schedule, clipping, and one whole update.
+
+    from llmlab.exercises import ch06 as check
+    check.lr_at(lr_at)                          # 6.1: (step, peak_lr, warmup, total, min_lr) -> the LR of update step
+    check.clip_grad_norm(clip_grad_norm)        # 6.2: (parameters, max_norm) -> the norm before clipping
+    check.scaled_step(scaled_step)              # 6.3: (model, optimizer, scaler, loss_fn, batches, max_norm) -> stepped
+
+**6.1** compares with `llmlab.train.schedule.warmup_cosine_lr` at every update of fresh random runs and of the
+edge cases: no warmup, warmup = total, warmup = total − 1 (nothing left to decay over), min_lr = 0 and = peak_lr,
+and three updates past the end. It names the material's step/warmup (LR 0 at update 0), a cosine started at update
+0 instead of at the end of warmup, a decay to 0 instead of min_lr, a decay one update too long (the last update
+above min_lr), an LR rising again after the end, and a division by zero or a negative span in the edge cases.
+
+**6.2** compares with `torch.nn.utils.clip_grad_norm_` on float32 parameter lists of odd shapes (0-d included),
+clipped and under the max, with some `.grad` None, with none at all, and passed as a generator (as
+`model.parameters()` is). It names per-tensor clipping, rescaling under the max, the norm after clipping (or
+squared, or the per-tensor norms summed), a None gradient not skipped or filled in, gradients replaced instead of
+scaled in place or not changed at all, and a generator iterated twice.
+
+**6.3** compares with the same update built from llmlab's parts (`llmlab.accumulate.accumulate_gradients`,
+`llmlab.precision.DynamicLossScaler`, `llmlab.train.clip.clip_grad_norm`) on small float64 models with SGD: clipped,
+unclipped, stale gradients in `.grad`, and a micro-batch holding a NaN (the step is skipped, the scale backs off).
+It names clipping the still-scaled gradients, never unscaling, the missing 1/k, stale gradients added in, a step on
+non-finite gradients, and a scale never updated.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from llmlab.exercises.ch04 import accumulation_case, micro_batch_mse
+from llmlab.exercises.checks import Mismatch, assert_close, check, fresh_rng
+
+__all__ = ["lr_at", "clip_grad_norm", "scaled_step"]
+
+_EPS = 1e-6  # torch's guard in the clipping coefficient max_norm / (norm + 1e-6)
+
+
+
+def _number(value, what: str) -> float:
+    try:  # a float, an int, a 0-d tensor or a NumPy scalar
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise Mismatch(f"{what} returned {value!r}; expected a number") from None
+
+
+# --- 6.1: linear warmup, then cosine decay to min_lr ------------------------------------------------------------
+
+def _lr_cases(rng: random.Random) -> list[tuple[float, int, int, float]]:
+    """(peak_lr, warmup, total, min_lr) runs: the edge cases, then fresh random ones."""
+    cases = [(1e-3, 10, 100, 1e-4),  # the usual shape: warmup, then a cosine to a floor
+             (3e-4, 0, 50, 3e-5),  # no warmup: the cosine starts at update 0
+             (1e-3, 9, 10, 1e-4),  # warmup = total − 1: no decay span, the one update after warmup is at min_lr
+             (6e-4, 20, 20, 6e-5),  # warmup = total: the run never decays; min_lr after it
+             (2e-3, 5, 40, 0.0),  # min_lr = 0
+             (2e-3, 1, 30, 2e-3)]  # min_lr = peak_lr: constant after a one-update warmup
+    for _ in range(4):
+        warmup, peak = rng.randint(1, 40), 10 ** rng.uniform(-5, -2)
+        cases.append((peak, warmup, warmup + rng.randint(2, 300), peak * rng.uniform(0.01, 0.3)))
+    return cases
+
+
+def _cosine(peak: float, floor: float, progress: float) -> float:
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _lr_mistakes():
+    """(the LR a mistake gives at update s, or None where it agrees with the definition; what the mistake is)."""
+    from llmlab.train.schedule import warmup_cosine_lr
+
+    return (
+        (lambda s, p, w, t, m: p * s / w if s < w else None,
+         "that is the material's formula base_lr·min(step/warmup, 1): update 0 gets LR 0 and its gradient is wasted; "
+         "use (step + 1)/warmup, so update 0 learns and update warmup−1 is the first at peak_lr"),
+        (lambda s, p, w, t, m: _cosine(p, m, min(s / (t - 1), 1.0)) if w <= s and t > 1 else None,
+         "the cosine starts at update 0, not at the end of warmup: progress = (step − warmup)/(total − 1 − warmup) is "
+         "0 at update warmup (LR = peak_lr) and 1 at the last update, total − 1"),
+        (lambda s, p, w, t, m: warmup_cosine_lr(s, p, w, t, 0.0) if w <= s else None,
+         "the LR decays to 0, not to min_lr: lr = min_lr + (peak_lr − min_lr)·½(1 + cos(π·progress))"),
+        (lambda s, p, w, t, m: _cosine(p, m, min((s - w) / (t - w), 1.0)) if w <= s < t else None,
+         "the decay is one update too long, so the last update (total − 1) ends above min_lr: it spans updates "
+         "warmup … total − 1, so divide by total − 1 − warmup"),
+        (lambda s, p, w, t, m: _cosine(p, m, (s - w) / (t - 1 - w)) if s >= t > w + 1 else None,
+         "after the last update the LR rises again along the cosine: clamp progress at 1, so the LR stays at min_lr"),
+        (lambda s, p, w, t, m: _cosine(p, m, min((s - w) / (t - 1 - w), 1.0)) if s >= t == w else None,
+         "this run is all warmup (warmup = total), so total − 1 − warmup is negative and (step − warmup)/(total − 1 − "
+         "warmup) too: with no decay span (≤ 0) progress is 1, so the LR after the run is min_lr"),
+    )
+
+
+def _lr(fn, step: int, peak: float, warmup: int, total: int, floor: float, what: str) -> float:
+    try:
+        value = fn(step, peak, warmup, total, floor)
+    except ZeroDivisionError:
+        if warmup == 0:
+            raise Mismatch(f"{what} divided by zero: warmup=0 means no warmup — (step + 1)/warmup is only for "
+                           "step < warmup, and the cosine starts at update 0") from None
+        if total - 1 - warmup == 0:
+            raise Mismatch(f"{what} divided by zero: with warmup = total − 1 no update is left to decay over "
+                           "(total − 1 − warmup = 0); progress is then 1, so update warmup is at min_lr") from None
+        raise
+    return _number(value, what)
+
+
+@check("6.1", "linear warmup, then cosine decay",
+       hint="for step < warmup, lr = peak_lr·(step + 1)/warmup; after it, progress = min((step − warmup)/(total − 1 − "
+            "warmup), 1) (1 when total − 1 − warmup ≤ 0) and lr = min_lr + (peak_lr − min_lr)·½(1 + cos(π·progress))")
+def lr_at(fn):
+    """`fn(step, peak_lr, warmup, total, min_lr)`: the LR of update `step`, as warmup_cosine_lr defines it."""
+    from llmlab.train.schedule import warmup_cosine_lr
+
+    mistakes = _lr_mistakes()
+    for peak, warmup, total, floor in _lr_cases(fresh_rng()):
+        tol = dict(rel_tol=1e-9, abs_tol=1e-12 * peak)  # float64: another arrangement differs by a few ulp of peak
+        for step in range(total + 3):  # every update of the run, and three after it (at min_lr)
+            what = f"lr_at(step={step}, peak_lr={peak:.4g}, warmup={warmup}, total={total}, min_lr={floor:.4g})"
+            got = _lr(fn, step, peak, warmup, total, floor, what)
+            want = warmup_cosine_lr(step, peak, warmup, total, floor)
+            if math.isclose(got, want, **tol):
+                continue
+            known = next((text for mistake, text in mistakes
+                          if (value := mistake(step, peak, warmup, total, floor)) is not None
+                          and math.isclose(got, value, **tol)), None)
+            raise Mismatch(f"{what} = {got:.6g}, expected {want:.6g}" + (f": {known}" if known else ""))
+
+
+# --- 6.2: clipping by the global norm -------------------------------------------------------------------------
+
+def _clip_cases(rng: random.Random) -> list[dict]:
+    """Parameter lists: `shapes`, indices whose .grad is None, global norm / max_norm (`ratio`), `max_norm`."""
+    cases = [dict(shapes=[(7,), (3, 5), (2, 1, 4)], none=(), ratio=4.0, max_norm=1.0),  # clipped
+             dict(shapes=[(6,), (2, 3)], none=(), ratio=0.4, max_norm=1.0),  # under the max: left as they are
+             dict(shapes=[(5,), (4, 3), (1,), ()], none=(1,), ratio=3.0, max_norm=0.5),  # a parameter without grad
+             dict(shapes=[(3,), (2, 2)], none=(0, 1), ratio=0.0, max_norm=1.0),  # no gradient at all: norm 0
+             dict(shapes=[(9,), (3, 3)], none=(), ratio=2.5, max_norm=2.0, generator=True)]  # model.parameters()
+    for _ in range(4):
+        n = rng.randint(1, 6)
+        cases.append(dict(shapes=[tuple(rng.randint(1, 9) for _ in range(rng.randint(0, 3))) for _ in range(n)],
+                          none=tuple(i for i in range(1, n) if rng.random() < 0.3),  # parameter 0 always has one
+                          ratio=rng.choice([rng.uniform(1.5, 20), rng.uniform(0.05, 0.7)]),
+                          max_norm=10 ** rng.uniform(-2, 1)))
+    return cases
+
+
+def _clip_params(case: dict, seed: int) -> list:
+    """float32 parameters with random gradients of global norm ratio·max_norm; the first gradient is 3× the others'
+    norm, so that when clipped (ratio ≥ 1.5, ≤ 6 tensors) it alone exceeds max_norm and per-tensor clipping shows."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in case["shapes"]]
+    grads = []
+    for i, p in enumerate(params):
+        if i not in case["none"]:
+            grad = torch.randn(p.shape, generator=g)
+            p.grad = grad / torch.linalg.vector_norm(grad) * (1.0 if grads else 3.0)
+            grads.append(p.grad)
+    if grads:
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads]))  # ()
+        for grad in grads:
+            grad.mul_(case["ratio"] * case["max_norm"] / total)
+    return params
+
+
+def _norms(grads) -> list[float]:
+    import torch
+
+    return [torch.linalg.vector_norm(x).item() for x in grads]
+
+
+def _all_close(xs, ys) -> bool:
+    import torch
+
+    # float32: sums of squares in another order differ by a few ulp (≲ 1e-6 relative); the mistakes by ≥ 5%
+    return all(torch.allclose(x, y, rtol=1e-5, atol=0.0) for x, y in zip(xs, ys, strict=True))
+
+
+def _run_clip(fn, case: dict, params: list, what: str):
+    """The learner's call; a crash on a None gradient, or on no gradient at all, is named."""
+    try:
+        return fn((p for p in params) if case.get("generator") else params, case["max_norm"])
+    except NotImplementedError:
+        raise
+    except Exception as e:
+        error = f"your code raised {type(e).__name__}: {e}"
+        if len(case["none"]) == len(params):
+            raise Mismatch(f"{what}: no parameter has a gradient and {error}; the norm of no gradients is 0 (torch "
+                           "returns tensor(0.)) and nothing is scaled") from None
+        if case["none"] and "NoneType" in str(e):
+            raise Mismatch(f"{what}: parameter {case['none'][0]} has .grad None (it took no part in the loss, or is "
+                           f"frozen) and {error}; skip such parameters, as torch does") from None
+        raise
+
+
+@check("6.2", "clipping by the global norm",
+       hint="norm = √(Σ over every parameter whose .grad is not None of (g²).sum()) — one norm for all gradients "
+            "together; if norm > max_norm multiply every such .grad in place by max_norm / (norm + 1e-6) "
+            "(g.mul_(c)), else leave them; return the norm from before; list(parameters) first if you loop twice")
+def clip_grad_norm(fn):
+    """`fn(parameters, max_norm)`: clip the gradients in place by their global L2 norm; return the norm before."""
+    import torch
+
+    rng = fresh_rng()
+    for case in _clip_cases(rng):
+        params = _clip_params(case, rng.randrange(1 << 30))
+        theirs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        for t, p in zip(theirs, params, strict=True):
+            t.grad = None if p.grad is None else p.grad.clone()
+        want = torch.nn.utils.clip_grad_norm_(theirs, case["max_norm"]).item()
+        shapes = ", ".join(str(tuple(p.shape)) for p in params)
+        what = (f"clip_grad_norm(parameters of shapes {shapes}{' (a generator)' if case.get('generator') else ''}, "
+                f"max_norm={case['max_norm']:.4g})" + (f" with .grad None at {list(case['none'])}" if case["none"]
+                                                        else "") + f", gradient norm {want:.4g}")
+        held = [p.grad for p in params]  # the gradient tensors themselves: clipping scales them in place
+        before = [None if x is None else x.clone() for x in held]
+        grads_before = [x for x in before if x is not None]
+        norm = _number(_run_clip(fn, case, params, what), what)
+        grads = [p.grad for p in params if p.grad is not None]
+        if not math.isclose(norm, want, rel_tol=1e-5):
+            known = {"the norm after clipping: return the norm the gradients had before (torch does; it is what a "
+                     "training log records)": math.sqrt(sum(n * n for n in _norms(grads))) if case["ratio"] > 1
+                     else math.nan,
+                     "the squared norm: take the square root of the sum of squares": want * want,
+                     "the per-tensor norms added up: the global norm is √(Σᵢ ‖gᵢ‖²), the norm of all gradients as "
+                     "one vector": sum(_norms(grads_before))}
+            text = next((t for t, value in known.items() if math.isclose(norm, value, rel_tol=1e-5)), None)
+            raise Mismatch(f"{what}: returned {norm:.6g}, expected {want:.6g}" + (f": {text}" if text else ""))
+        for i, (p, x) in enumerate(zip(params, held, strict=True)):
+            if x is None and p.grad is not None:
+                raise Mismatch(f"{what}: parameter {i} had .grad None and now has a gradient: skip parameters whose "
+                               ".grad is None (an optimizer would otherwise update a frozen parameter)")
+            if x is not None and p.grad is not x:
+                raise Mismatch(f"{what}: parameter {i}'s .grad is a new tensor: scale the existing one in place "
+                               "(p.grad.mul_(c)), as torch does — other code holds references to it (DDP's "
+                               "gradient buckets are views of .grad)")
+        wants = [t.grad for t in theirs if t.grad is not None]
+        if _all_close(grads, wants):
+            continue
+        if case["ratio"] > 1 and _all_close(grads, grads_before):
+            if case.get("generator"):
+                raise Mismatch(f"{what}: the norm is right but the gradients were not scaled: parameters is a "
+                               "generator here (model.parameters() is one), so a second loop over it sees nothing; "
+                               "make it a list first")
+            raise Mismatch(f"{what}: the gradients are unchanged although their norm exceeds max_norm: scale each "
+                           ".grad in place, g.mul_(c) — `g = g * c` only rebinds a local name")
+        coefficient = case["max_norm"] / (want + _EPS)
+        per_tensor = [x * min(1.0, case["max_norm"] / (n + _EPS)) for x, n in zip(grads_before, _norms(grads_before),
+                                                                                   strict=True)]
+        if case["ratio"] > 1 and _all_close(grads, per_tensor):
+            raise Mismatch(f"{what}: each tensor was clipped by its own norm: the norm is global, over all gradients "
+                           "together, and every gradient is scaled by the same max_norm / (norm + 1e-6), which keeps "
+                           "the direction of the whole update")
+        if case["ratio"] < 1 and _all_close(grads, [x * coefficient for x in grads_before]):
+            raise Mismatch(f"{what}: the gradients were rescaled (×{coefficient:.3g}, up) although their norm is "
+                           "under max_norm: scale only when the norm exceeds it, by min(1, max_norm / (norm + 1e-6))")
+        for i, (x, y) in enumerate(zip(grads, wants, strict=True)):
+            assert_close(x, y, what=f"{what}: gradient {i}", rtol=1e-5, atol=0.0)  # tolerance: see _all_close
+
+
+# --- 6.3: one update with accumulation, a loss scaler and clipping ----------------------------------------------
+
+def _step_cases(rng: random.Random) -> list[dict]:
+    from llmlab.accumulate import accumulate_gradients
+    from llmlab.train.clip import grad_norm
+
+    cases = []
+    # unclipped first: there max_norm > k·‖g‖, so a wrong magnitude (k×, S×) is not hidden by the clip
+    for kind in ("unclipped", "clipped", "overflow", rng.choice(["clipped", "unclipped"])):
+        k, make_model, batches = accumulation_case(rng)
+        if kind == "overflow":  # a micro-batch holding a NaN: a corrupt sample, or in fp16 an overflow upstream
+            x = batches[rng.randrange(k)][0]
+            x[rng.randrange(len(x)), 0] = float("nan")
+        model = make_model()
+        accumulate_gradients(model, micro_batch_mse, batches)
+        norm = grad_norm(model.parameters()).item()  # the true gradient's norm, to put max_norm around it
+        max_norm = {"clipped": norm / rng.uniform(2, 5), "unclipped": norm * (k + rng.uniform(1, 3))}.get(kind, 1.0)
+        cases.append(dict(kind=kind, k=k, make_model=make_model, batches=batches, norm=norm, max_norm=max_norm,
+                          lr=rng.uniform(0.05, 0.5), scale=2.0 ** rng.randint(8, 16), stale=not cases))
+    return cases
+
+
+def _setup(case: dict):
+    """A fresh model (with the case's stale gradients), its SGD optimizer and a loss scaler."""
+    import torch
+
+    from llmlab.precision import DynamicLossScaler
+
+    model = case["make_model"]()
+    if case["stale"]:  # a backward the caller ran before, whose scaled gradients are still in .grad
+        DynamicLossScaler(case["scale"]).scale_loss(micro_batch_mse(model, case["batches"][0])).backward()
+    optimizer = torch.optim.SGD(model.parameters(), lr=case["lr"])
+    return model, optimizer, DynamicLossScaler(case["scale"], growth_interval=1)  # grows after every clean update
+
+
+def _reference(case: dict, mistake: str | None = None):
+    """llmlab's update (or one with `mistake`): (how it moved each parameter, the scale after it, whether it
+    stepped)."""
+    import torch
+
+    from llmlab.accumulate import accumulate_gradients
+    from llmlab.train.clip import clip_grad_norm as clip
+
+    model, optimizer, scaler = _setup(case)
+    params = list(model.parameters())
+    start = [p.detach().clone() for p in params]
+    stale = [None if p.grad is None else p.grad.clone() for p in params]
+    accumulate_gradients(model, lambda m, b: scaler.scale_loss(micro_batch_mse(m, b)), case["batches"],
+                         scale=mistake != "no 1/k")  # zeroes .grad first; then S·∇(mean loss) (k× without 1/k)
+    if mistake == "no zeroing":
+        for p, s in zip(params, stale, strict=True):
+            if s is not None:
+                p.grad += s
+    grads = [p.grad for p in params if p.grad is not None]
+    if mistake == "clip first":
+        clip(params, case["max_norm"])
+    if mistake == "no unscale":
+        found_inf = not all(bool(torch.isfinite(g).all()) for g in grads)
+    else:
+        found_inf = scaler.unscale_(grads)
+    scaler.update(found_inf)
+    if not found_inf:
+        if mistake != "clip first":
+            clip(params, case["max_norm"])
+        optimizer.step()
+    return [p.detach() - s for p, s in zip(params, start, strict=True)], scaler.scale, not found_inf
+
+
+def _update_tol(want) -> dict:
+    """Tolerances for one tensor's update: 1e-6 of its largest entry. The models are float64, but scale_loss
+    multiplies in float32, so S·loss/k (S times the loss, then divided by k) rounds the factor S/k reaching the
+    gradients to float32 (≤ 6e-8 of each one) where S·(loss/k) does not; both orders are right. Relative to the
+    largest entry, not to each: with stale gradients added in, an entry can cancel to near 0. The mistakes are off
+    by a factor of 2 or more (k×, S× clipped to max_norm > k·‖g‖, S× smaller) or in direction (stale gradients) in
+    the unclipped case, which comes first (in a clipped one a wrong magnitude shows only through the 1e-6 guard)."""
+    return dict(rtol=1e-6, atol=1e-6 * want.abs().max().item())
+
+
+def _same(xs, ys) -> bool:
+    import torch
+
+    return all(torch.allclose(x, y, **_update_tol(y)) for x, y in zip(xs, ys, strict=True))
+
+
+_STEP_MISTAKES = {
+    "clip first": "the update is what clipping the still-scaled gradients gives: .grad holds S·g until it is "
+                  "unscaled, so the clip compares S·‖g‖ with max_norm and shrinks every update ~S×; unscale first "
+                  "(scaler.unscale_), then clip",
+    "no unscale": "the gradients were never unscaled: the update used S·g; divide them by the scale "
+                  "(found_inf = scaler.unscale_(grads)) before clipping and stepping",
+    "no 1/k": "the gradient is k× the mean over the micro-batches: divide each micro-batch's loss by k "
+              "(scaler.scale_loss(loss / k)) before backward",
+    "no zeroing": "the gradients the model held before were added in: zero them first (optimizer.zero_grad())",
+}
+
+
+@check("6.3", "one update: accumulate, unscale, clip, step",
+       hint="zero the gradients; for each of the k micro-batches backward scaler.scale_loss(loss_fn(model, batch) / "
+            "k); found_inf = scaler.unscale_(grads); scaler.update(found_inf); if found_inf return False (no clip, "
+            "no step); else clip the unscaled gradients to max_norm, optimizer.step() and return True")
+def scaled_step(fn):
+    """`fn(model, optimizer, scaler, loss_fn, batches, max_norm)`: one update; True if the optimizer stepped."""
+    import torch
+
+    for case in _step_cases(fresh_rng()):
+        model, optimizer, scaler = _setup(case)
+        start = [p.detach().clone() for p in model.parameters()]
+        got = fn(model, optimizer, scaler, micro_batch_mse, case["batches"], case["max_norm"])
+        mine = [p.detach() - s for p, s in zip(model.parameters(), start, strict=True)]  # how each one moved
+        updates, scale, stepped = _reference(case)
+        what = f"{case['k']} micro-batches, loss scale {case['scale']:g}, " + (
+            "one micro-batch holding a NaN" if case["kind"] == "overflow" else
+            f"max_norm={case['max_norm']:.3g} ({case['kind']}: the gradient norm is {case['norm']:.3g})") + (
+            ", stale gradients in .grad" if case["stale"] else "")
+        if not all(bool(torch.isfinite(p).all()) for p in mine):
+            raise Mismatch(f"{what}: the weights are now inf/NaN: the optimizer stepped on non-finite gradients; "
+                           "when unscale_ reports them (found_inf), skip the clip and the step")
+        if not _same(mine, updates):
+            known = next((text for mistake, text in _STEP_MISTAKES.items()
+                          if _same(mine, _reference(case, mistake)[0])), None)
+            if known:
+                raise Mismatch(f"{what}: {known}")
+            for (name, _), got_update, want in zip(model.named_parameters(), mine, updates, strict=True):
+                assert_close(got_update, want, what=f"{what}: the update of {name}", **_update_tol(want))
+        if scaler.scale != scale:
+            if scaler.scale == case["scale"]:
+                raise Mismatch(f"{what}: the loss scale is still {case['scale']:g}, expected "
+                               f"{scale:g}: call scaler.update(found_inf) every update — it backs off (×0.5) after "
+                               "an overflow and grows (×2) after clean updates (this scaler after every one)")
+            raise Mismatch(f"{what}: the loss scale ended at {scaler.scale:g}, expected {scale:g}: call "
+                           "scaler.update(found_inf) once per update, with what unscale_ returned")
+        if not isinstance(got, bool) or got != stepped:
+            raise Mismatch(f"{what}: returned {got!r}, expected {stepped} (True: the optimizer stepped; False: the "
+                           "update was skipped)")

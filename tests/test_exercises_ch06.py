@@ -1,0 +1,206 @@
+"""Chapter 6's exercise checks (llmlab.exercises.ch06): each passes a right answer, reports an unwritten one as not
+attempted, and fails each plausible wrong answer with a message naming the mistake — the material's warmup, a
+decay to 0, per-tensor clipping, the norm after clipping, clipping before unscaling — and the hint.
+
+The wrong answers are the right one with one thing changed (a `mistake` argument), so each test shows the one
+slip its message names.
+"""
+
+import math
+
+import pytest
+import torch
+from grading import fails, not_attempted, passes
+
+from llmlab.exercises import ch06
+from llmlab.train.clip import clip_grad_norm
+from llmlab.train.schedule import material_warmup_lr, warmup_cosine_lr
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Tiny tensors: one thread is faster, and steadier when other processes share the cores."""
+
+
+def unwritten(*args):
+    raise NotImplementedError("Exercise 6.x")
+
+
+# --- 6.1 ----------------------------------------------------------------------------------------------------
+
+def lr_at(step, peak_lr, warmup, total, min_lr, mistake=None):
+    """Linear warmup then cosine decay, written out; `mistake` changes one thing."""
+    if step < warmup:
+        return peak_lr * (step if mistake == "material" else step + 1) / warmup
+    span = total - (0 if mistake == "one too long" else 1) - (0 if mistake == "from zero" else warmup)
+    start = 0 if mistake == "from zero" else warmup
+    if mistake == "unguarded":
+        progress = min((step - start) / span, 1.0)
+    elif mistake == "zero span only":
+        progress = min((step - start) / span, 1.0) if span != 0 else 1.0
+    else:
+        progress = (step - start) / span if span > 0 else 1.0
+        progress = progress if mistake == "no clamp" else min(progress, 1.0)
+    floor = 0.0 if mistake == "to zero" else min_lr
+    return floor + (peak_lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+LR_MISTAKES = {  # mistake: (what the message says, a word of the hint)
+    "material": (r"the material's formula base_lr·min\(step/warmup, 1\): update 0 gets LR 0", "(step + 1)/warmup"),
+    "from zero": (r"the cosine starts at update 0, not at the end of warmup", "progress = min((step − warmup)"),
+    "to zero": (r"the LR decays to 0, not to min_lr", "min_lr + (peak_lr − min_lr)"),
+    "one too long": (r"the decay is one update too long, so the last update \(total − 1\) ends above min_lr",
+                     "total − 1 − warmup"),
+    "no clamp": (r"step=\d+, .*after the last update the LR rises again along the cosine: clamp progress at 1",
+                 "), 1)"),
+    "unguarded": (r"warmup=9, total=10.*divided by zero: with warmup = total − 1 no update is left to decay over",
+                  "1 when total − 1 − warmup ≤ 0"),
+    "zero span only": (r"warmup=20, total=20.*this run is all warmup \(warmup = total\), so total − 1 − warmup is "
+                       "negative", "1 when total − 1 − warmup ≤ 0"),
+}
+
+
+def test_lr_at(capsys):
+    passes(ch06.lr_at, lr_at, capsys=capsys)
+    passes(ch06.lr_at, warmup_cosine_lr, capsys=capsys)  # llmlab's own, the reference
+    not_attempted(ch06.lr_at, unwritten, capsys=capsys)
+
+
+@pytest.mark.parametrize("mistake", LR_MISTAKES)
+def test_lr_at_names_the_mistake(mistake):
+    match, hint = LR_MISTAKES[mistake]
+    fails(ch06.lr_at, lambda *args: lr_at(*args, mistake=mistake), match=match, hint=hint)
+
+
+def test_lr_at_names_the_material_formula_and_its_division_by_zero():
+    def material(step, peak_lr, warmup, total, min_lr):  # the material's own warmup, then llmlab's decay
+        return material_warmup_lr(step, peak_lr, warmup) if step < warmup else \
+            warmup_cosine_lr(step, peak_lr, warmup, total, min_lr)
+
+    fails(ch06.lr_at, material, match=r"lr_at\(step=0, .* = 0, expected 0.0001: that is the material's formula",
+          hint="(step + 1)/warmup")
+
+    def ramp_first(step, peak_lr, warmup, total, min_lr):
+        ramp = (step + 1) / warmup  # computed before asking whether step < warmup
+        return peak_lr * ramp if step < warmup else lr_at(step, peak_lr, warmup, total, min_lr)
+
+    fails(ch06.lr_at, ramp_first, match="warmup=0 means no warmup", hint="(step + 1)/warmup")
+    fails(ch06.lr_at, lambda *args: "high", match=r"returned 'high'; expected a number", hint="cos(π·progress)")
+
+
+# --- 6.2 ----------------------------------------------------------------------------------------------------
+
+def clip(parameters, max_norm, mistake=None):
+    """Global-norm clipping, written out; `mistake` changes one thing."""
+    parameters = list(parameters) if mistake != "generator twice" else parameters
+    if mistake == "no skip":
+        grads = [p.grad for p in parameters]
+    else:
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if mistake == "zero fill":
+            for p in parameters:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+    norm = math.sqrt(sum(g.square().sum().item() for g in grads))
+    if mistake == "generator twice":
+        grads = [p.grad for p in parameters if p.grad is not None]  # the generator is spent: no gradients
+    for i, g in enumerate(grads):
+        if mistake == "per tensor":
+            g.mul_(min(1.0, max_norm / (g.norm().item() + 1e-6)))
+            continue
+        c = max_norm / (norm + 1e-6) if mistake == "always" else min(1.0, max_norm / (norm + 1e-6))
+        if mistake == "rebind":
+            g = g * c  # the mistake: a new tensor bound to the loop variable only
+        elif mistake == "replace":
+            [p for p in parameters if p.grad is not None][i].grad = g * c
+        else:
+            g.mul_(c)
+    if mistake == "after":
+        return math.sqrt(sum(g.square().sum().item() for g in grads))
+    return {"squared": norm * norm}.get(mistake, norm)
+
+
+CLIP_MISTAKES = {
+    "per tensor": "each tensor was clipped by its own norm: the norm is global",
+    "always": r"the gradients were rescaled \(×\d.*, up\) although their norm is under max_norm",
+    "after": r"returned \S+, expected \S+: the norm after clipping: return the norm the gradients had before",
+    "squared": "the squared norm: take the square root",
+    "no skip": r"parameter 1 has .grad None .* your code raised AttributeError: .*NoneType.*; skip such parameters",
+    "zero fill": "parameter 1 had .grad None and now has a gradient: skip parameters whose .grad is None",
+    "rebind": r"the gradients are unchanged although their norm exceeds max_norm: scale each .grad in place",
+    "replace": r"parameter 0's .grad is a new tensor: scale the existing one in place",
+    "generator twice": r"\(a generator\).*: the norm is right but the gradients were not scaled: .* make it a list",
+}
+
+
+def test_clip_grad_norm(capsys):
+    passes(ch06.clip_grad_norm, clip, capsys=capsys)
+    passes(ch06.clip_grad_norm, torch.nn.utils.clip_grad_norm_, capsys=capsys)
+    passes(ch06.clip_grad_norm, clip_grad_norm, capsys=capsys)  # llmlab's
+    not_attempted(ch06.clip_grad_norm, unwritten, capsys=capsys)
+
+
+@pytest.mark.parametrize("mistake", CLIP_MISTAKES)
+def test_clip_grad_norm_names_the_mistake(mistake):
+    fails(ch06.clip_grad_norm, lambda ps, m: clip(ps, m, mistake=mistake), match=CLIP_MISTAKES[mistake],
+          hint="max_norm / (norm + 1e-6)")
+
+
+def test_clip_grad_norm_with_no_gradient_at_all_is_named():
+    def stacked(parameters, max_norm):  # right, except that torch.stack refuses an empty list
+        grads = [p.grad for p in parameters if p.grad is not None]
+        norm = torch.stack([g.norm() for g in grads]).norm()
+        for g in grads:
+            g.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+        return norm
+
+    fails(ch06.clip_grad_norm, stacked, match=r"no parameter has a gradient and your code raised RuntimeError: .*"
+                                              r"the norm of no gradients is 0", hint="√(Σ")
+
+
+# --- 6.3 ----------------------------------------------------------------------------------------------------
+
+def scaled_step(model, optimizer, scaler, loss_fn, batches, max_norm, mistake=None):
+    """One update in the right order; `mistake` changes one thing."""
+    if mistake != "no zeroing":
+        optimizer.zero_grad(set_to_none=True)
+    k = 1 if mistake == "no 1/k" else len(batches)
+    for batch in batches:
+        scaler.scale_loss(loss_fn(model, batch) / k).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if mistake == "clip first":
+        clip_grad_norm(model.parameters(), max_norm)
+    if mistake == "no unscale":
+        found_inf = not all(torch.isfinite(g).all() for g in grads)
+    else:
+        found_inf = scaler.unscale_(grads)
+    if mistake != "no update":
+        scaler.update(found_inf)
+    if found_inf and mistake != "step anyway":
+        return None if mistake == "returns None" else False
+    if mistake != "clip first":
+        clip_grad_norm(model.parameters(), max_norm)
+    optimizer.step()
+    return None if mistake == "returns None" else True
+
+
+STEP_MISTAKES = {
+    "clip first": "what clipping the still-scaled gradients gives: .* unscale first",
+    "no unscale": "the gradients were never unscaled: the update used S·g",
+    "no 1/k": r"the gradient is k× the mean over the micro-batches: divide each micro-batch's loss by k",
+    "no zeroing": r"stale gradients in .grad: the gradients the model held before were added in: zero them first",
+    "step anyway": r"one micro-batch holding a NaN: the weights are now inf/NaN: the optimizer stepped",
+    "no update": r"the loss scale is still \d+, expected \d+: call scaler.update\(found_inf\) every update",
+    "returns None": r"returned None, expected True",
+}
+
+
+def test_scaled_step(capsys):
+    passes(ch06.scaled_step, scaled_step, capsys=capsys)
+    not_attempted(ch06.scaled_step, unwritten, capsys=capsys)
+
+
+@pytest.mark.parametrize("mistake", STEP_MISTAKES)
+def test_scaled_step_names_the_mistake(mistake):
+    fails(ch06.scaled_step, lambda *args: scaled_step(*args, mistake=mistake), match=STEP_MISTAKES[mistake],
+          hint="scaler.unscale_(grads)")
