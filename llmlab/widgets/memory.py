@@ -9,8 +9,8 @@ from llmlab import flops
 from llmlab.hardware import SPECS
 from llmlab.widgets.base import count, explorer, gpu_spec
 
-__all__ = ["MEMORY_MODELS", "MEMORY_CATEGORIES", "memory_plan", "format_memory_plan", "memory_plan_figure",
-            "memory_planner"]
+__all__ = ["MEMORY_MODELS", "memory_model_config", "MEMORY_CATEGORIES", "memory_plan", "format_memory_plan",
+           "memory_plan_figure", "memory_planner"]
 
 # Models the planner explorer offers: a llmlab.model preset by name, or GPTConfig fields of a published model
 # (GPT-2 XL: Radford et al. 2019; GPT-3 sizes: Brown et al. 2020, Table 2.1). No dropout: large runs train without.
@@ -29,7 +29,8 @@ MEMORY_CATEGORIES = {"params": "parameters", "grads": "gradients", "optimizer_st
                      "logits": "logits (B·T·V)"}
 
 
-def _memory_config(model: str):
+def memory_model_config(model: str):
+    """The `GPTConfig` of a MEMORY_MODELS name (also the models of chapter 5's cluster calculator)."""
     from llmlab.model import GPTConfig
 
     if model not in MEMORY_MODELS:
@@ -51,7 +52,7 @@ def memory_plan(model: str = "GPT-3 6.7B", batch_size: int = 1, seq_len: int | N
     """
     from llmlab.memory import planner
 
-    config = _memory_config(model)
+    config = memory_model_config(model)
     spec = gpu_spec(gpu)
     if not isinstance(checkpointing, bool):
         raise ValueError(f"checkpointing={checkpointing!r} must be True or False")
