@@ -81,12 +81,24 @@ def test_bad_input_is_refused():
 
 
 # -- real gloo ranks -----------------------------------------------------------------------------------------
-def test_comm_share_on_ranks(cluster3):
-    shares = cluster3.run(comm.comm_share, make_step(), 2)
+def hooked_step():
+    """A step whose all-reduce runs inside backward, from a gradient hook (as DataParallel's bucket hooks do)."""
+    import torch
+    import torch.distributed as td
+
+    w = torch.randn(N, requires_grad=True)  # (N,)
+    w.register_hook(lambda g: td.all_reduce(g) or g)
+    (w * 2.0).sum().backward()
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["after-backward", "in-backward"])
+def test_comm_share_on_ranks(cluster3, hooked):
+    shares = cluster3.run(comm.comm_share, hooked_step if hooked else make_step(), 2)
     for rank, s in enumerate(shares):
         assert s.rank == rank and s.calls == 1 and s.bytes_sent == 2 * 2 * N * 4 // 3  # ring: 2(n−1)/n·S
         assert s.compute > 0 and 0 < s.share < 1
-        # the parts cover the wall time; the profiler's ops may overlap gloo's thread, so allow 5% over
+        # the parts cover the wall time; the profiler's ops may overlap gloo's thread, so allow 5% over (in
+        # backward, the autograd op holding the hook's all-reduce must not count that wait as compute too)
         assert s.compute + s.communication + s.other <= s.wall * 1.05
     assert "of the step" in str(comm.comm_verdict(shares)) and str(shares[0]).startswith("rank 0: step")
 

@@ -106,8 +106,11 @@ def comm_share(step_fn: Callable[[], object], steps: int = 3, warmup: int = 1) -
         with CommLog() as log:
             split = profile_step(step_fn)
         ops = log.by_op().values()
-        wall, compute = wall + split["wall"], compute + split["compute"]
-        comm += split["communication"] if nccl else max(split["communication"], sum(s.seconds for s in ops))
+        step_comm = split["communication"] if nccl else max(split["communication"], sum(s.seconds for s in ops))
+        # on gloo an op that waits for a collective inside it (an autograd node whose gradient hook all-reduces,
+        # as DataParallel's does) holds that wait in its self time too: compute is at most the time outside
+        step_compute = split["compute"] if nccl else min(split["compute"], max(split["wall"] - step_comm, 0.0))
+        wall, compute, comm = wall + split["wall"], compute + step_compute, comm + step_comm
         calls, sent = calls + sum(s.calls for s in ops), sent + log.bytes_sent
     other = max(wall - compute - comm, 0.0)
     return CommShare(_rank(), wall / steps, compute / steps, comm / steps, other / steps, calls / steps, sent / steps)
