@@ -171,12 +171,12 @@ class Monitor:
             return
         if get_ipython() is None:
             return
-        self._last_draw = time.perf_counter()
         fig = self.figure()
         if self._handle is None:
             self._handle = display(fig, display_id=True)
         else:
             self._handle.update(fig)
+        self._last_draw = time.perf_counter()  # after drawing: a draw slower than every_s must not run every step
 
     def close(self) -> None:
         """Flush and close the event files; draw the final plot when live."""
