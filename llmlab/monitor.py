@@ -16,6 +16,7 @@ The material (§6.3 and its closing advice) asks to watch GPU utilisation (nvidi
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
@@ -81,6 +82,9 @@ def profile_step(fn: Callable, *args, **kwargs) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    # Kineto prints "profiler_start"/"profiler_stop" lines at every profile unless told otherwise before its first
+    # use in the process; on a Cluster of ranks that is two lines per rank per call (the user's setting wins)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:

@@ -14,14 +14,15 @@ headless run, nbconvert or a rendered page without widget state shows the static
 IPython are imported only when a widget is built, never by `import llmlab`.
 """
 
-from llmlab.widgets import communication, compute, frontier, hardware, memory, parallelism
+from llmlab.widgets import communication, compute, frontier, hardware, memory, parallelism, tuning
 from llmlab.widgets.communication import *  # noqa: F403
 from llmlab.widgets.compute import *  # noqa: F403
 from llmlab.widgets.frontier import *  # noqa: F403
 from llmlab.widgets.hardware import *  # noqa: F403
 from llmlab.widgets.memory import *  # noqa: F403
 from llmlab.widgets.parallelism import *  # noqa: F403
+from llmlab.widgets.tuning import *  # noqa: F403
 
 # a chapter's module adds itself to this tuple and to the imports above
-CHAPTERS = (compute, parallelism, memory, communication, hardware, frontier)
+CHAPTERS = (compute, parallelism, memory, communication, hardware, tuning, frontier)
 __all__ = [name for module in CHAPTERS for name in module.__all__]
