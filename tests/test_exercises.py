@@ -116,6 +116,47 @@ def test_build_keeps_the_indentation_of_the_begin_line(project):
     assert cell.outputs == [] and cell.execution_count is None
 
 
+STARTER = (  # a starter for exercise 1.1 (the naive softmax, to be fixed), as a solution notebook writes one
+    "    ### BEGIN STARTER\n"
+    "    # e = x.exp()  # overflows for large logits\n"
+    "    #\n"
+    "    # return e / e.sum(dim=dim, keepdim=True)\n"
+    "    ### END STARTER\n"
+)
+FIX_THIS = "  # delete this line, then fix the code below"
+
+
+def add_starter(root: Path) -> None:
+    """Give exercise 1.1 of the fixture's 01_softmax solution a starter, just before its END SOLUTION line."""
+    edit_cell(root / "solutions" / "01_softmax.ipynb", "keepdim=True)\n    ### END SOLUTION",
+              "keepdim=True)\n" + STARTER + "    ### END SOLUTION")
+
+
+def test_build_writes_a_starter_uncommented_after_the_raise_and_leaves_the_answer_out(project):
+    add_starter(project)
+    notebooks.build(project)
+    text = (project / "exercises" / "01_softmax.ipynb").read_text(encoding="utf-8")
+    nb = nbformat.reads(text, as_version=4)
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert code[1].source == (
+        "def softmax(x: torch.Tensor, dim: int = -1) -> torch.Tensor:\n"
+        '    """Softmax of `x` along `dim`, correct for logits of any size."""\n'
+        '    raise NotImplementedError("Exercise 1.1: Softmax")' + FIX_THIS + "\n"
+        "    e = x.exp()  # overflows for large logits\n"
+        "\n"
+        "    return e / e.sum(dim=dim, keepdim=True)"
+    )
+    assert code[3].source.endswith('    raise NotImplementedError("Exercise 1.2: Numerically stable log-sum-exp")')
+    assert "SOLUTION" not in text and "STARTER" not in text and "amax" not in text and "shifted" not in text
+    assert "Where code follows the `raise`, that code is yours to fix" in nb.cells[0].source
+    other = nbformat.read(project / "exercises" / "02_cross_entropy.ipynb", as_version=4)
+    assert "Where code follows" not in other.cells[0].source  # only a notebook with a starter says so
+    solution = nbformat.read(project / "solutions" / "01_softmax.ipynb", as_version=4)
+    namespace = {"torch": torch}
+    exec(solution.cells[3].source, namespace)  # the solution runs its answer; the starter there is a comment
+    assert torch.allclose(namespace["softmax"](torch.tensor([1000.0, 0.0])), torch.tensor([1.0, 0.0]))
+
+
 # --- check -------------------------------------------------------------------------------------------------
 
 
@@ -142,6 +183,15 @@ def test_check_ignores_a_change_inside_a_solution_region(project):
     notebooks.build(project)
     edit_cell(project / "solutions" / "01_softmax.ipynb", "e = shifted.exp()", "e = torch.exp(shifted)")
     assert notebooks.check(project) == []  # the answer is not in the exercise, so it is not stale
+
+
+def test_check_reports_an_exercise_stale_after_its_starter_changed(project):
+    add_starter(project)
+    notebooks.build(project)
+    assert notebooks.check(project) == []
+    edit_cell(project / "solutions" / "01_softmax.ipynb", "# e = x.exp()", "# e = torch.exp(x)")
+    (problem,) = notebooks.check(project)  # the starter is in the exercise: changing it makes the exercise stale
+    assert "exercises/01_softmax.ipynb: stale: solutions/01_softmax.ipynb changed" in problem
 
 
 def test_check_reports_a_hand_edited_exercise(project):
@@ -201,6 +251,49 @@ BAD_SOLUTIONS = {  # cells as (kind, source), and the error's text after the fil
         r", cell 3 .*: Exercise 1.1 is already the heading of cell 1",
     ),
     "no exercise at all": ([("code", "x = 1")], r": no exercise"),
+    "starter outside a region": (
+        [HEADING, ("code", "def f():\n    ### BEGIN STARTER\n    # return 1\n    ### END STARTER")],
+        r", cell 2 .*, line 2: ### BEGIN STARTER outside a solution region",
+    ),
+    "starter at another indentation": (
+        [HEADING, ("code", "def f():\n    ### BEGIN SOLUTION\n    if True:\n        ### BEGIN STARTER\n"
+                           "        # return 1\n        ### END STARTER\n    ### END SOLUTION")],
+        r", cell 2 .*, line 4: ### BEGIN STARTER must be at the indentation of the ### BEGIN SOLUTION of line 2 "
+        r"\(4 spaces\)",
+    ),
+    "second starter in a region": (
+        [HEADING, ("code", "def f():\n    ### BEGIN SOLUTION\n    ### BEGIN STARTER\n    ### END STARTER\n"
+                           "    ### BEGIN STARTER\n    ### END STARTER\n    ### END SOLUTION")],
+        r", cell 2 .*, line 5: a second ### BEGIN STARTER in the region of line 2",
+    ),
+    "unclosed starter": (
+        [HEADING, ("code", "def f():\n    ### BEGIN SOLUTION\n    ### BEGIN STARTER\n    # return 1\n"
+                           "    ### END SOLUTION")],
+        r", cell 2 .*, line 5: ### END SOLUTION while the ### BEGIN STARTER of line 3 is still open",
+    ),
+    "END STARTER without BEGIN STARTER": (
+        [HEADING, ("code", "def f():\n    ### BEGIN SOLUTION\n    ### END STARTER\n    ### END SOLUTION")],
+        r", cell 2 .*, line 3: ### END STARTER without a ### BEGIN STARTER",
+    ),
+    "starter line not commented out": (
+        [HEADING, ("code", "def f():\n    ### BEGIN SOLUTION\n    return 2\n    ### BEGIN STARTER\n"
+                           "    return 1\n    ### END STARTER\n    ### END SOLUTION")],
+        r", cell 2 .*, line 5: 'return 1' inside a starter block is not commented out",
+    ),
+    "malformed starter marker": (
+        [HEADING, ("code", "def f():\n    ### BEGIN SOLUTION\n    ### BEGIN STARTER\n    # return 1\n"
+                           "    ## END STARTER\n    ### END SOLUTION")],
+        r", cell 2 .*, line 5: '## END STARTER' looks like a solution marker",
+    ),
+    "marker inside a starter": (
+        [HEADING, ("code", "def f():\n    ### BEGIN SOLUTION\n    ### BEGIN STARTER\n    # ### END SOLUTION\n"
+                           "    ### END STARTER\n    ### END SOLUTION")],
+        r", cell 2 .*, line 4: '# ### END SOLUTION' looks like a solution marker",
+    ),
+    "starter marker in a markdown cell": (
+        [HEADING, ("md", "### BEGIN STARTER\n# x = 1\n### END STARTER")],
+        r", cell 2 .*: a solution marker in a markdown cell",
+    ),
 }
 
 
@@ -400,6 +493,18 @@ def test_cli_grade_json_reports_a_wrong_answer_and_a_broken_cell(built, tmp_path
     assert "got nan, expected 0.5; 2 of them nan or inf" in softmax["detail"]
     assert lse["detail"] == "NameError: name 'log_sum_exp' is not defined (cell 9)"
     assert report["all_passed"] is False and report["passed"] == 0 and report["total"] == 2
+
+
+def test_a_starter_runs_once_the_learner_deletes_the_raise_and_is_graded(tmp_path):
+    root = copy_fixture(tmp_path / "project")
+    add_starter(root)
+    notebooks.build(root)
+    learner = root / "exercises" / "01_softmax.ipynb"
+    edit_cell(learner, 'raise NotImplementedError("Exercise 1.1: Softmax")' + FIX_THIS + "\n    ", "")
+    report = grade.grade(learner, timeout=120)
+    (softmax, lse) = report.rows
+    assert softmax.status == "failed" and lse.status == "not attempted"  # the starter's code ran, unchanged
+    assert softmax.detail.startswith("softmax([1000, 1000, -1000]): 2 of 3 values differ"), softmax.detail
 
 
 def test_grading_stops_at_the_timeout_and_reports_it(tmp_path, monkeypatch):

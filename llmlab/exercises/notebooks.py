@@ -23,6 +23,21 @@ Solution regions (the nbgrader convention)
     marker but is not exactly one of the two (``## END SOLUTION``, ``# begin solution``), or a marker line in
     a markdown cell, is an error rather than text silently left in: an answer must never leak into exercises/.
 
+Starter code (for exercises that hand the learner code to fix, e.g. a training script with planted bugs)
+    A region may hold one starter block, from ``### BEGIN STARTER`` to ``### END STARTER``, at the indentation
+    of the region's BEGIN line. Every line between them is commented out at that indentation (``# `` then
+    the code, or a lone ``#`` for an empty line; this is what an editor's toggle-comment writes), so the
+    solution notebook runs its answer and shows the starter as a comment. The exercise notebook gets, in
+    place of the region, the raise line followed by the starter uncommented::
+
+        raise NotImplementedError("Exercise 7.1: Find the bugs")  # delete this line, then fix the code below
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+        ...
+
+    so the exercise still runs top to bottom and reads "not attempted yet" until the learner deletes the raise;
+    the answer lines of the region are left out as before. A starter marker outside a region, a second or
+    unclosed starter, one at another indentation, or a line in it that is not commented out is an error.
+
 The generated notebook
     It starts with a markdown cell saying it is generated from ``solutions/NN_topic.ipynb`` and is not to be
     edited. Outputs, execution counts and timing metadata are stripped, cell ids are positional
@@ -49,7 +64,10 @@ import nbformat
 from nbformat import reader
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-_LOOKS_LIKE_MARKER = re.compile(r"#+\s*(BEGIN|END)\s+SOLUTION\b", re.IGNORECASE)
+BEGIN_STARTER, END_STARTER = "### BEGIN STARTER", "### END STARTER"
+_MARKERS = (BEGIN, END, BEGIN_STARTER, END_STARTER)
+_LOOKS_LIKE_MARKER = re.compile(r"#+\s*(BEGIN|END)\s+(SOLUTION|STARTER)\b", re.IGNORECASE)
+_FIX_STARTER = "  # delete this line, then fix the code below"
 _HEADING = re.compile(r"^#{1,6}\s+Exercise\s+(\d+(?:\.\d+)+)\b[\s:.—–-]*(.*?)\s*$", re.MULTILINE)
 
 
@@ -121,11 +139,12 @@ def exercise_text(solution: Path) -> str:
         if owner is not None and owner.cell == index:
             _check_unique(solution, nb, owner, regions)
             regions[owner] = 0
-    cells = [nbformat.v4.new_markdown_cell(_header(solution.name))]
+    cells, starters = [], 0
     for index, (cell, owner) in enumerate(zip(nb.cells, owners, strict=True)):
         cell = copy.deepcopy(cell)
         if cell.cell_type == "code":
-            cell.source, count = _replace_regions(cell.source, owner, _where(solution, nb, index))
+            cell.source, count, with_starter = _replace_regions(cell.source, owner, _where(solution, nb, index))
+            starters += with_starter
             if owner is not None:
                 regions[owner] += count
             cell.outputs, cell.execution_count = [], None
@@ -147,6 +166,7 @@ def exercise_text(solution: Path) -> str:
                 f"{_where(solution, nb, exercise.cell)}: {exercise.label} has no {BEGIN} region, "
                 f"so its exercise notebook would contain the answer"
             )
+    cells.insert(0, nbformat.v4.new_markdown_cell(_header(solution.name, starters > 0)))
     for number, cell in enumerate(cells):
         cell.id = f"cell-{number}"
     metadata = copy.deepcopy(nb.metadata)
@@ -197,20 +217,27 @@ def _solutions(root: Path) -> list[Path]:
     return sorted(folder.glob("*.ipynb"))
 
 
-def _replace_regions(source: str, owner: Exercise | None, where: str) -> tuple[str, int]:
-    """Replace each BEGIN ... END region in one cell's source; return the new source and the region count."""
-    kept, count, opened = [], 0, None  # opened: (line number, indentation) of the open BEGIN line
+def _replace_regions(source: str, owner: Exercise | None, where: str) -> tuple[str, int, int]:
+    """Replace each BEGIN ... END region in one cell's source (by its raise line, then its starter uncommented,
+    if it has one); return the new source, the number of regions and how many of them had a starter."""
+    kept, count, starters = [], 0, 0
+    opened = None  # (line number, indentation) of the open BEGIN line
+    starter = None  # the open region's starter: its BEGIN STARTER line number and uncommented lines
     for number, line in enumerate(source.split("\n"), start=1):
         marker = line.strip()
         at = f"{where}, line {number}"
-        if marker not in (BEGIN, END):
+        if marker not in _MARKERS:
             if _LOOKS_LIKE_MARKER.search(marker):
                 raise NotebookError(
-                    f"{at}: {marker!r} looks like a solution marker; write exactly {BEGIN!r} "
-                    f"or {END!r} on a line of its own"
+                    f"{at}: {marker!r} looks like a solution marker; write exactly one of "
+                    f"{', '.join(map(repr, _MARKERS))} on a line of its own"
                 )
             if opened is None:
                 kept.append(line)
+            elif starter is not None and starter["open"]:
+                starter["lines"].append(_uncomment(line, opened[1], at))
+        elif marker in (BEGIN_STARTER, END_STARTER):
+            starter = _starter_marker(marker, line, opened, starter, number, at)
         elif marker == BEGIN:
             if opened is not None:
                 raise NotebookError(f"{at}: nested {BEGIN} (a region is already open since line {opened[0]})")
@@ -229,12 +256,55 @@ def _replace_regions(source: str, owner: Exercise | None, where: str) -> tuple[s
         elif opened is None:
             raise NotebookError(f"{at}: {END} without a {BEGIN} before it")
         else:
+            if starter is not None and starter["open"]:
+                raise NotebookError(
+                    f"{at}: {END} while the {BEGIN_STARTER} of line {starter['line']} is still open; "
+                    f"close it with {END_STARTER} first"
+                )
             message = json.dumps(owner.label, ensure_ascii=False)  # a valid Python string literal
-            kept.append(f"{opened[1]}raise NotImplementedError({message})")
-            count, opened = count + 1, None
+            raise_line = f"{opened[1]}raise NotImplementedError({message})"
+            if starter is None:
+                kept.append(raise_line)
+            else:
+                kept += [raise_line + _FIX_STARTER, *starter["lines"]]
+                starters += 1
+            count, opened, starter = count + 1, None, None
     if opened is not None:
         raise NotebookError(f"{where}, line {opened[0]}: {BEGIN} is never closed by {END} in this cell")
-    return "\n".join(kept), count
+    return "\n".join(kept), count, starters
+
+
+def _starter_marker(marker: str, line: str, opened, starter: dict | None, number: int, at: str) -> dict:
+    """The open region's starter after a BEGIN/END STARTER line, or a NotebookError saying why it is misplaced."""
+    if opened is None:
+        raise NotebookError(f"{at}: {marker} outside a solution region; a starter belongs inside {BEGIN} ... {END}")
+    if line[: len(line) - len(line.lstrip())] != opened[1]:
+        raise NotebookError(
+            f"{at}: {marker} must be at the indentation of the {BEGIN} of line {opened[0]} "
+            f"({len(opened[1])} spaces)"
+        )
+    if marker == BEGIN_STARTER:
+        if starter is not None:
+            raise NotebookError(
+                f"{at}: a second {BEGIN_STARTER} in the region of line {opened[0]} (its starter began on line "
+                f"{starter['line']}); a region has at most one starter"
+            )
+        return {"line": number, "lines": [], "open": True}
+    if starter is None or not starter["open"]:
+        raise NotebookError(f"{at}: {END_STARTER} without a {BEGIN_STARTER} before it")
+    return {**starter, "open": False}
+
+
+def _uncomment(line: str, indent: str, at: str) -> str:
+    """A starter line without its comment: `indent + "# " + code` gives `indent + code`, a lone "#" an empty line."""
+    if not line.strip() or line.rstrip() == indent + "#":
+        return ""
+    if not line.startswith(indent + "# "):
+        raise NotebookError(
+            f"{at}: {line.strip()!r} inside a starter block is not commented out; every starter line is "
+            f"'# ' + code at the indentation of {BEGIN_STARTER} ({len(indent)} spaces), or a lone '#'"
+        )
+    return indent + line[len(indent) + 2:]
 
 
 def _check_unique(path: Path, nb, exercise: Exercise, seen: dict[Exercise, int]) -> None:
@@ -246,13 +316,15 @@ def _check_unique(path: Path, nb, exercise: Exercise, seen: dict[Exercise, int])
             )
 
 
-def _header(name: str) -> str:
+def _header(name: str, starters: bool) -> str:
+    fix = (" Where code follows the `raise`, that code is yours to fix: delete the `raise` line and edit it."
+           if starters else "")
     return (
         f"> **Generated from `solutions/{name}` by `llmlab exercises build` — do not edit this file.** "
         f"To change it, edit the solution notebook and run `llmlab exercises build` again.\n"
         f">\n"
         f"> Each `raise NotImplementedError(...)` marks code for you to write; the check cell after it "
-        f"tests your answer. `llmlab grade {name}` runs the whole notebook and reports every exercise."
+        f"tests your answer.{fix} `llmlab grade {name}` runs the whole notebook and reports every exercise."
     )
 
 
