@@ -135,6 +135,7 @@ def execute(nb, folder: Path, timeout: float) -> Stop | None:
         km=kernel,
         allow_errors=True,
         startup_timeout=math.ceil(timeout),
+        extra_arguments=["--IPKernelApp.log_level=ERROR"],  # not its "running over TCP without encryption" warning
         shutdown_kernel="immediate",  # kill the kernel's process group at once, ranks it started included
         resources={"metadata": {"path": str(folder)}},
     )
