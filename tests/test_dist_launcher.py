@@ -201,4 +201,21 @@ def test_bad_arguments_fail_before_starting_ranks(no_leftover_processes):
         dist.spawn(rank_and_sum, 2, 1.0, timeout=0)
     with pytest.raises(ValueError, match="backend"):
         dist.Cluster(2, backend="mpi")
+    for env in ({"A": 1}, {"": "x"}, {"A=B": "x"}, ["A"]):
+        with pytest.raises(ValueError, match="env="):
+            dist.Cluster(2, env=env)
     assert _children() == before
+
+
+def _getenv(*names):
+    import os
+
+    return [os.environ.get(n) for n in names]
+
+
+def test_env_reaches_the_ranks_only(monkeypatch):
+    monkeypatch.setenv("LLMLAB_TEST_INHERITED", "parent")
+    got = dist.spawn(_getenv, 2, "LLMLAB_TEST_EXTRA", "LLMLAB_TEST_INHERITED", "OMP_NUM_THREADS", timeout=30,
+                     env={"LLMLAB_TEST_EXTRA": "detail", "OMP_NUM_THREADS": "1"})
+    assert got == [["detail", "parent", "1"]] * 2  # added, inherited, and the caller's choice wins over ours
+    assert "LLMLAB_TEST_EXTRA" not in os.environ

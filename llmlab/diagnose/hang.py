@@ -156,8 +156,10 @@ def debug_detail():
     a helper gloo group, and a mismatch raises `RuntimeError("Detected mismatch between collectives on ranks
     ...")` on the ranks — a `RankError` in the caller — instead of hanging. It costs an extra exchange per
     collective: for debugging only. A rank that skips a collective still hangs (nothing to compare with).
-    The launcher passes the caller's environment to the ranks, read when they join the group, so the variable
-    is set here and restored after; a Cluster started before the block is unaffected.
+    Starting the ranks yourself, `dist.Cluster(n, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})` does the same;
+    this block also reaches ranks started inside other code (a library function calling `dist.spawn`): it sets
+    the variable in this process, which ranks inherit when they start, and restores it after. A Cluster
+    started before the block is unaffected.
     """
     old = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"

@@ -91,6 +91,15 @@ def _check_timeout(name: str, value) -> float:
     return float(value)
 
 
+def _check_env(env) -> dict[str, str]:
+    if env is None:
+        return {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and k and "=" not in k and isinstance(v, str)
+                                            for k, v in env.items()):
+        raise ValueError(f"env={env!r} must be a dict of environment variable names to str values")
+    return dict(env)
+
+
 def _ranks(ranks) -> str:
     """'rank 3' or 'ranks 0, 2' (diagnose.hang reads either)."""
     ranks = list(ranks)
@@ -192,14 +201,16 @@ class Cluster:
     """`world_size` ranks that stay alive between calls (`run`), so a notebook pays process start once.
 
     Use as a context manager, or call `close()`; ranks are also stopped when the Cluster is garbage
-    collected or the interpreter exits.
+    collected or the interpreter exits. The ranks inherit this process's environment, plus `env` (e.g.
+    ``{"NCCL_DEBUG": "INFO"}`` or ``{"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}``), read when they start.
     """
 
     def __init__(self, world_size: int, *, backend: str | None = None, start_timeout: float = 120.0,
-                 threads_per_rank: int | None = None):
+                 threads_per_rank: int | None = None, env: dict[str, str] | None = None):
         from llmlab import runtime
 
         self.world_size = _check_world_size(world_size)
+        self.env = _check_env(env)
         self.backend = backend or runtime.backend(world_size)
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend={self.backend!r} must be 'gloo' or 'nccl'")
@@ -227,7 +238,7 @@ class Cluster:
         self._store = td.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=self.start_timeout),
                                   wait_for_workers=False)
         self._tmp = tempfile.TemporaryDirectory(prefix="llmlab-cluster-")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(self.threads_per_rank))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads_per_rank), **self.env}
         if sys.platform.startswith("linux"):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine
         sys_path = [p or os.getcwd() for p in sys.path]
@@ -351,12 +362,13 @@ class Cluster:
 
 
 def spawn(fn, world_size: int, *args, timeout: float = 60.0, backend: str | None = None,
-          start_timeout: float = 120.0) -> list:
+          start_timeout: float = 120.0, env: dict[str, str] | None = None) -> list:
     """Start `world_size` ranks, run `fn(*args)` on each, stop them; return the results in rank order.
 
-    `timeout` bounds the call itself (not process start-up, which `start_timeout` bounds).
+    `timeout` bounds the call itself (not process start-up, which `start_timeout` bounds); `env` adds
+    environment variables for the ranks (see `Cluster`).
     """
-    cluster = Cluster(world_size, backend=backend, start_timeout=start_timeout)
+    cluster = Cluster(world_size, backend=backend, start_timeout=start_timeout, env=env)
     try:
         return cluster.run(fn, *args, timeout=timeout)  # checks fn and args before starting any rank
     finally:
