@@ -157,3 +157,18 @@ def test_double_binary_tree_balances_the_load(cluster):
     assert cluster.run(_tree_load, False) == [2 * S, 2 * S, S, S]
     # two mirrored trees with half the data each: every rank is interior in one of them, so all send 1.5·S
     assert cluster.run(_tree_load, True) == [1.5 * S] * 4
+
+
+def test_the_clock_is_read_after_the_device_is_synchronised(monkeypatch):
+    # on a GPU, kernels queued before a collective must not count as its time: the log synchronises the device
+    # before reading the clock at the start, and again at the end (here _sync is recorded, as there is no GPU)
+    from llmlab.dist import commlog
+
+    calls = []
+    monkeypatch.setattr(commlog, "_sync", lambda t: calls.append(("sync", t)))
+    monkeypatch.setattr(commlog.time, "perf_counter", lambda: calls.append(("clock", None)) or 0.0)
+    x = torch.ones(3)  # (3,)
+    with commlog.CommLog() as log, commlog.scope("op", x):
+        calls.append(("body", None))
+    assert calls == [("sync", x), ("clock", None), ("body", None), ("sync", x), ("clock", None)]
+    assert [e.name for e in log.events] == ["op"]

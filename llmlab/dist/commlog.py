@@ -31,7 +31,9 @@ A log counts on the rank that entered it (each rank has its own). Two kinds of t
   module attribute (`td.all_reduce(...)`) are seen; a name imported before the log opened is not. For
   `async_op=True` the time is that of the launch only, the bytes are complete.
 
-On a GPU the log synchronises the device before reading the clock, so times are real (and include the wait).
+On a GPU the log synchronises the device before reading the clock at the start and at the end of a collective
+(only while a log is open), so its time is the collective's own, not that of kernels queued before it, and real
+(it includes the wait).
 `log.events` has a start and end time (`time.perf_counter`, shared by all processes of one machine) per
 message and per collective, for timelines; `log.by_op()` adds them up; `log.summary()` prints a table.
 """
@@ -94,6 +96,7 @@ def scope(name: str, tensor=None):
     if getattr(_local, "scope", None) is not None or not _logs:
         yield
         return
+    _sync(tensor)
     _local.scope, start = _Scope(name), time.perf_counter()
     try:
         yield
@@ -138,6 +141,8 @@ def post(sends=(), recvs=(), group=None) -> Pending:
     messages = [("send", t, dst) for t, dst in sends] + [("recv", t, src) for t, src in recvs]
     ops = [td.P2POp(td.isend if kind == "send" else td.irecv, t, _global(group, peer), group)
            for kind, t, peer in messages]
+    if _logs:
+        _sync(messages[0][1] if messages else None)
     start = time.perf_counter()
     return Pending(td.batch_isend_irecv(ops) if ops else [], messages, start)
 
@@ -196,6 +201,7 @@ def _counting(name: str, fn):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         sent, received = _ring_bytes(name, bound.arguments)
+        _sync(args[0] if args else None)
         start = time.perf_counter()
         result = fn(*args, **kwargs)
         if not bound.arguments.get("async_op"):
