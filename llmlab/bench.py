@@ -16,7 +16,9 @@ from __future__ import annotations
 import importlib
 import json
 import platform
+import re
 import statistics
+import textwrap
 import time
 from datetime import datetime, timezone
 from importlib import metadata
@@ -127,15 +129,39 @@ def _cell(value) -> str:
     return str(value)
 
 
-def format_table(rows: list[dict]) -> str:
-    """A plain-text table of `rows`; columns are the rows' keys, in order of first appearance."""
+_NUMBER = re.compile(r"[-+−]?[\d.]")
+
+
+def format_table(rows: list[dict], width: int = 110) -> str:
+    """A plain-text table of `rows`; columns are the rows' keys, in order of first appearance.
+
+    Wider than `width` characters, the longest headers wrap onto more lines (at spaces, never inside a value or
+    a word), shortest-loss first, until the table fits or no header can wrap further: a notebook's output or a
+    page shows it unbroken instead of folding every row.
+    """
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"width={width!r} must be a positive int (characters)")
     if not rows:
         return "(no results)"
     columns = list(dict.fromkeys(key for row in rows for key in row))
     cells = [[_cell(row.get(c, "")) for c in columns] for row in rows]
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
-    line = lambda values: "  ".join(v.rjust(w) for v, w in zip(values, widths, strict=True))
-    return "\n".join([line(columns), line(["-" * w for w in widths]), *map(line, cells)])
+    values = [max((len(r[i]) for r in cells), default=0) for i in range(len(columns))]
+    widths = [max(len(c), v) for c, v in zip(columns, values, strict=True)]
+    narrowest = [max(v, *(len(word) for word in c.split())) if c.split() else v
+                 for c, v in zip(columns, values, strict=True)]
+    for i in sorted(range(len(columns)), key=lambda i: narrowest[i] - widths[i]):  # most to gain first
+        excess = sum(widths) + 2 * (len(widths) - 1) - width
+        if excess <= 0:
+            break
+        widths[i] = max(narrowest[i], widths[i] - excess)
+    headers = [textwrap.wrap(c, w, break_long_words=False) or [""] for c, w in zip(columns, widths, strict=True)]
+    depth = max(map(len, headers))
+    headers = [[""] * (depth - len(h)) + h for h in headers]  # bottom-aligned, next to the rule
+    right = [all(r[i] in ("", "—") or _NUMBER.match(r[i]) for r in cells) for i in range(len(columns))]
+    line = lambda values: "  ".join(v.rjust(w) if r else v.ljust(w)
+                                    for v, w, r in zip(values, widths, right, strict=True)).rstrip()
+    return "\n".join([*(line([h[k] for h in headers]) for k in range(depth)), line(["-" * w for w in widths]),
+                      *map(line, cells)])
 
 
 def run(name: str, json_path: str | Path | None = None) -> int:
