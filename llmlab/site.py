@@ -50,10 +50,12 @@ def _title(nb, fallback: str) -> str:
 
 
 def _problem(nb, stop) -> str:
-    for index, cell in enumerate(nb.cells):
-        for output in cell.get("outputs", []):
-            if output.get("output_type") == "error":
-                return f"cell {index + 1}: {output.get('ename')}: {output.get('evalue')}"
+    from llmlab.exercises.grade import cell_errors
+
+    first = next(cell_errors(nb), None)
+    if first is not None:
+        index, name, message = first
+        return f"cell {index + 1}: {name}: {message}"
     return stop.reason if stop is not None else ""
 
 

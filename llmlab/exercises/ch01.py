@@ -19,19 +19,10 @@ import math
 import random
 import textwrap
 
-from llmlab.exercises.checks import Mismatch, assert_close, check, fresh_rng
+from llmlab.exercises.checks import Mismatch, assert_close, check, fresh_rng, number
 
 __all__ = ["block_flops", "gemm_roofline", "gemm_k_loop", "implied_mfu", "K_LOOP_BLOCKS", "k_loop_shapes"]
 
-
-
-def _number(value, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        try:  # a 0-d tensor or a NumPy scalar is fine too
-            return float(value)
-        except (TypeError, ValueError):
-            raise Mismatch(f"{what}: got {type(value).__name__} {value!r}, expected a number") from None
-    return float(value)
 
 
 def _close(got: float, want: float, rel: float = 1e-9) -> bool:
@@ -63,7 +54,7 @@ def _block_cases(rng: random.Random) -> list[tuple[int, int, int, int]]:
 def block_flops(fn):
     for B, T, C, n_head in _block_cases(fresh_rng()):
         what = f"block_flops(B={B}, T={T}, C={C}, n_head={n_head})"
-        got = _number(fn(B, T, C, n_head), what)
+        got = number(fn(B, T, C, n_head), what)
         matmuls = _block_matmuls(B, T, C, n_head)
         want = sum(mm.flops for mm in matmuls)
         if _close(got, want):
@@ -112,7 +103,7 @@ def gemm_roofline(fn):
         answer = fn(m, n, k, nbytes, peak, bandwidth)
         if not isinstance(answer, tuple | list) or len(answer) != 2:
             raise Mismatch(f"{what} returned {answer!r}; expected a pair (intensity, 'memory' or 'compute')")
-        intensity, bound = _number(answer[0], f"{what}'s intensity"), answer[1]
+        intensity, bound = number(answer[0], f"{what}'s intensity"), answer[1]
         want = roofline.gemm_intensity(m, n, k, nbytes)
         if not _close(intensity, want):
             diagnosis = {
@@ -305,7 +296,7 @@ def implied_mfu(fn):
     for n_params, tokens, gpus, days, peak in cases:
         what = (f"implied_mfu(n_params={n_params:.4g}, tokens={tokens:.4g}, gpus={gpus}, days={days:.4g}, "
                 f"peak_flops={peak:.4g})")
-        got = _number(fn(n_params, tokens, gpus, days, peak), what)
+        got = number(fn(n_params, tokens, gpus, days, peak), what)
         want = flops.implied_mfu(flops.training_flops(n_params, tokens), gpus, days, peak)
         if _close(got, want):
             continue

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import random
 
-from llmlab.exercises.checks import Mismatch, check, fresh_rng
+from llmlab.exercises.checks import Mismatch, check, fresh_rng, number
 
 __all__ = ["compute_seconds", "allreduce_seconds", "training_time", "UNITS", "link_quote", "training_cases"]
 
@@ -31,15 +31,6 @@ _NODE_LINKS = ("nvlink4", "nvlink3", "pcie5", "pcie4")  # inside one 8-GPU node
 _NETWORK_LINKS = ("rdma100", "rdma200", "ib_ndr400")  # across nodes
 _ACCELERATORS = ("A100 SXM", "H100 SXM", "H100 PCIe", "H200 SXM", "B200", "MI250X", "MI250")
 
-
-
-def _number(value, what: str) -> float:
-    if isinstance(value, bool):
-        raise Mismatch(f"{what}: got bool {value!r}, expected a number")
-    try:  # an int, a float, a 0-d tensor or a NumPy scalar
-        return float(value)
-    except (TypeError, ValueError):
-        raise Mismatch(f"{what}: got {type(value).__name__} {value!r}, expected a number") from None
 
 
 def _close(got: float, want: float) -> bool:
@@ -76,7 +67,7 @@ def compute_seconds(fn):
               for _ in range(6)]
     for n_params, tokens, gpus, gpu, mfu in cases:
         what = f"compute_seconds(n_params={n_params:.4g}, tokens={tokens}, gpus={gpus}, gpu={gpu!r}, mfu={mfu:.3g})"
-        got = _number(fn(n_params, tokens, gpus, gpu, mfu), what)
+        got = number(fn(n_params, tokens, gpus, gpu, mfu), what)
         spec = SPECS[gpu]
         want = flops.training_days(flops.training_flops(n_params, tokens), gpus, spec.peak_flops("bf16"), mfu) \
             * flops.SECONDS_PER_DAY
@@ -167,7 +158,7 @@ def allreduce_seconds(fn):
         alpha = cost.LINKS[key].alpha
         what = (f"gradient_allreduce_seconds(n_params={n_params:.4g}, grad_dtype={dtype}, n={n}, "
                 f"bandwidth={bandwidth:g}, unit={unit!r}, alpha={alpha:g}) [{cost.LINKS[key].name}]")
-        got = _number(fn(n_params, dtype, n, bandwidth, unit, alpha), what)
+        got = number(fn(n_params, dtype, n, bandwidth, unit, alpha), what)
         want, mistakes = _allreduce_reference(n_params, dtype, n, bandwidth, unit, alpha)
         _compare(got, want, what, mistakes)
 
@@ -260,7 +251,7 @@ def training_time(fn):
         answer = fn(c)
         if not isinstance(answer, tuple | list) or len(answer) != 2:
             raise Mismatch(f"{what} returned {answer!r}; expected a pair (seconds per step, days)")
-        step, days = _number(answer[0], f"{what}'s step time"), _number(answer[1], f"{what}'s days")
+        step, days = number(answer[0], f"{what}'s step time"), number(answer[1], f"{what}'s days")
         t = cluster.step_time(c)
         _compare(step, t.total, f"{what}: the step", _step_mistakes(c, t))
         _compare(days, t.days, f"{what}: the training", [

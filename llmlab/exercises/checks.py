@@ -48,6 +48,16 @@ def fresh_rng() -> random.Random:
     return random.Random()
 
 
+def number(value, what: str) -> float:
+    """A learner's answer as a float (an int, a float, a 0-d tensor, a NumPy scalar), else Mismatch naming it."""
+    if isinstance(value, bool):
+        raise Mismatch(f"{what}: got bool {value!r}, expected a number")
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of more than one element
+        raise Mismatch(f"{what}: got {type(value).__name__} {value!r:.80}, expected a number") from None
+
+
 class Mismatch(Exception):
     """Raised inside a check body: the learner's answer differs from the reference; the message says how."""
 

@@ -225,9 +225,14 @@ def _why_unchecked(nb, cells: list[int], stop: Stop | None) -> str:
     return "no check ran for this exercise (is its check cell missing?)"
 
 
-def _first_error(nb, cells) -> str:
-    for index in cells:
+def cell_errors(nb, cells=None):
+    """(cell index, exception name, message) of every error output of the executed `nb` (of `cells`, if given)."""
+    for index in range(len(nb.cells)) if cells is None else cells:
         for output in nb.cells[index].get("outputs", []):
             if output.get("output_type") == "error":
-                return f"{output.get('ename')}: {output.get('evalue')} (cell {index + 1})"
-    return ""
+                yield index, output.get("ename"), output.get("evalue")
+
+
+def _first_error(nb, cells) -> str:
+    index, name, message = next(cell_errors(nb, cells), (None, None, None))
+    return "" if index is None else f"{name}: {message} (cell {index + 1})"
