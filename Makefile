@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check llmlab kernels tests
+	$(BIN)/ruff check llmlab kernels tests tools conftest.py
 
 exercises: $(STAMP)
 	$(BIN)/llmlab exercises build
