@@ -32,7 +32,7 @@ import triton.language as tl
 from llmlab.kernels.interpreter import EMULATE_BF16, bf16_to_fp32, fp32_to_bf16
 
 from llmlab import runtime
-from llmlab.bench import compare
+from llmlab.timing import compare
 
 ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2}  # gelu: the tanh approximation, as GPT-2 uses
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -33,7 +33,7 @@ import triton.language as tl
 from llmlab.kernels.interpreter import EMULATE_BF16, bf16_to_fp32, fp32_to_bf16
 
 from llmlab import runtime
-from llmlab.bench import compare
+from llmlab.timing import compare
 
 __all__ = ["quantize_int8", "dequantize_int8", "reference", "reference_dequantize", "bench", "SUPPORTED_DTYPES"]
 

@@ -28,7 +28,7 @@ import triton.language as tl
 from llmlab.kernels.interpreter import EMULATE_BF16, bf16_to_fp32, fp32_to_bf16
 
 from llmlab import runtime
-from llmlab.bench import compare
+from llmlab.timing import compare
 
 __all__ = ["add_kernel", "add", "reference", "bench"]
 

@@ -1,10 +1,11 @@
 """`llmlab bench NAME`: an implementation and its peer run side by side; a table of ratios and a JSON record.
 
 A bench is a function `bench(sizes=None) -> list[dict]` that lives next to the code it measures (the
-`vector_add` bench is in `llmlab/kernels/vector_add.py`). Each dict is one row of the table: what was run
-(`impl`, `peer`), the problem size, the measurements, and a `ratio` = impl / peer (for times, below 1 means
-the implementation beats its peer). This module holds the registry of benches by name, the timer every bench
-shares, and the printing:
+`vector_add` bench is in `kernels/vector_add.py`, installed as `llmlab.kernels.vector_add`). Each dict is one row
+of the table: what was run (`impl`, `peer`), the problem size, the measurements, and a `ratio` = impl / peer (for
+times, below 1 means the implementation beats its peer). A bench times with `llmlab.timing`; this module holds
+the command side: the registry of benches by name, the run that prints the table and the record, and the README's
+results section made from the records:
 
     llmlab bench vector_add --json runs/vector_add.json
 
@@ -16,15 +17,14 @@ from __future__ import annotations
 import importlib
 import json
 import platform
-import re
-import statistics
-import textwrap
-import time
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["BENCHES", "names", "get", "synchronize", "median_seconds", "compare", "record", "format_table", "run"]
+from llmlab import hardware, runtime
+from llmlab.tables import format_table
+
+__all__ = ["BENCHES", "names", "get", "record", "run", "markdown_table", "results_section", "sync_readme"]
 
 # name -> "module:function". A new bench adds one line here; its module is imported only when it runs.
 BENCHES: dict[str, str] = {
@@ -52,53 +52,6 @@ def get(name: str):
     return getattr(importlib.import_module(module), function)
 
 
-def synchronize(device) -> None:
-    """Wait for `device`'s queued work (CUDA kernels run asynchronously); nothing to wait for on the CPU."""
-    import torch
-
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_seconds(fn, *, device=None, repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time of `fn()` over `repeats` runs, after `warmup` untimed runs.
-
-    GPU work is asynchronous: on a CUDA `device` the clock is read only after `torch.cuda.synchronize`, so
-    the time is the kernel's, not the launch's. The median ignores the odd run slowed by the OS.
-    """
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats} must be >= 1")
-    if warmup < 0:
-        raise ValueError(f"warmup={warmup} must be >= 0")
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def compare(impl, peer, *, device=None, repeats: int = 5) -> dict:
-    """Time `impl()` and `peer()` alternately (so a slow spell of the machine hits both) and compare medians.
-
-    Returns {"impl_ms", "peer_ms", "ratio"} with ratio = impl time / peer time.
-    """
-    if repeats < 1:
-        raise ValueError(f"repeats={repeats} must be >= 1")
-    impl()  # warm-up: first-call compilation, allocator growth
-    peer()
-    impl_s, peer_s = [], []
-    for _ in range(repeats):
-        impl_s.append(median_seconds(impl, device=device, repeats=1, warmup=0))
-        peer_s.append(median_seconds(peer, device=device, repeats=1, warmup=0))
-    i, p = statistics.median(impl_s), statistics.median(peer_s)
-    return {"impl_ms": i * 1e3, "peer_ms": p * 1e3, "ratio": i / p}
-
-
 def _version(package: str) -> str:
     try:
         return metadata.version(package)
@@ -108,8 +61,6 @@ def _version(package: str) -> str:
 
 def record(name: str, rows: list[dict]) -> dict:
     """The JSON record of one bench run: where it ran, with what, on which sizes, and its rows."""
-    from llmlab import hardware, runtime
-
     return {
         "bench": name,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -121,47 +72,6 @@ def record(name: str, rows: list[dict]) -> dict:
         "sizes": sorted({row["size"] for row in rows if "size" in row}),
         "results": rows,
     }
-
-
-def _cell(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1e4 else f"{value:.3e}"
-    return str(value)
-
-
-_NUMBER = re.compile(r"[-+−]?[\d.]")
-
-
-def format_table(rows: list[dict], width: int = 110) -> str:
-    """A plain-text table of `rows`; columns are the rows' keys, in order of first appearance.
-
-    Wider than `width` characters, the longest headers wrap onto more lines (at spaces, never inside a value or
-    a word), shortest-loss first, until the table fits or no header can wrap further: a notebook's output or a
-    page shows it unbroken instead of folding every row.
-    """
-    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-        raise ValueError(f"width={width!r} must be a positive int (characters)")
-    if not rows:
-        return "(no results)"
-    columns = list(dict.fromkeys(key for row in rows for key in row))
-    cells = [[_cell(row.get(c, "")) for c in columns] for row in rows]
-    values = [max((len(r[i]) for r in cells), default=0) for i in range(len(columns))]
-    widths = [max(len(c), v) for c, v in zip(columns, values, strict=True)]
-    narrowest = [max(v, *(len(word) for word in c.split())) if c.split() else v
-                 for c, v in zip(columns, values, strict=True)]
-    for i in sorted(range(len(columns)), key=lambda i: narrowest[i] - widths[i]):  # most to gain first
-        excess = sum(widths) + 2 * (len(widths) - 1) - width
-        if excess <= 0:
-            break
-        widths[i] = max(narrowest[i], widths[i] - excess)
-    headers = [textwrap.wrap(c, w, break_long_words=False) or [""] for c, w in zip(columns, widths, strict=True)]
-    depth = max(map(len, headers))
-    headers = [[""] * (depth - len(h)) + h for h in headers]  # bottom-aligned, next to the rule
-    right = [all(r[i] in ("", "—") or _NUMBER.match(r[i]) for r in cells) for i in range(len(columns))]
-    line = lambda values: "  ".join(v.rjust(w) if r else v.ljust(w)
-                                    for v, w, r in zip(values, widths, right, strict=True)).rstrip()
-    return "\n".join([*(line([h[k] for h in headers]) for k in range(depth)), line(["-" * w for w in widths]),
-                      *map(line, cells)])
 
 
 def run(name: str, json_path: str | Path | None = None) -> int:
@@ -188,13 +98,8 @@ RESULTS_BEGIN, RESULTS_END = "<!-- results:begin (llmlab results) -->", "<!-- re
 
 def markdown_table(rec: dict) -> str:
     """One bench record as a README section: where and with what it ran, then its rows."""
-    rows = rec["results"]
-    columns = list(dict.fromkeys(key for row in rows for key in row))
-    lines = [f"**{rec['bench']}** — {rec['device']} ({rec['tier']} tier, Triton {rec['triton']}, "
-             f"torch {rec['versions']['torch']}), {rec['created']}", "",
-             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |" for row in rows]
-    return "\n".join(lines)
+    return (f"**{rec['bench']}** — {rec['device']} ({rec['tier']} tier, Triton {rec['triton']}, "
+            f"torch {rec['versions']['torch']}), {rec['created']}\n\n" + format_table(rec["results"]).markdown)
 
 
 def results_section(records_dir: str | Path) -> str:

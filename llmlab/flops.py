@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmlab import claims
-
 SECONDS_PER_DAY = 86_400.0
 
 
@@ -97,42 +95,10 @@ def mfu(flops_per_step: float, step_seconds: float, gpus: int, peak_flops: float
     return flops_per_step / step_seconds / (gpus * peak_flops)
 
 
-# --- the course text's claims (§1), measured by the functions above ----------------------------------------
+# --- the course text's figures (§1); its claims C1, C2 are measured in llmlab.claims.ch01 ----------------------
 
 GPT3 = dict(n_params=175e9, tokens=300e9, paper_flops=3.14e23)  # Brown et al. 2020, Table D.1: 3.14e23 FLOPs
 GPT3_CONFIG = dict(vocab_size=50257, block_size=2048, n_layer=96, n_head=96, n_embd=12288)
 CLAIMED_GPUS, CLAIMED_DAYS = 1000, 34  # "≈ 1000 A100 for 34 days"
 # MFU that large dense runs reported (Chowdhery et al. 2022, PaLM, Table 3; GPT-3 itself ran on V100s)
 REPORTED_MFU = {"GPT-3": 0.213, "Gopher": 0.325, "MT-NLG": 0.302, "PaLM": 0.462}
-
-
-@claims.register("C1", chapter=1)
-def _claim_gpt3_flops() -> claims.Measurement:
-    from llmlab.model import GPTConfig
-
-    six_nd = training_flops(GPT3["n_params"], GPT3["tokens"])
-    cfg = GPTConfig(**GPT3_CONFIG)
-    per_token = training_step_flops(cfg, 1) / cfg.block_size  # counted matmul by matmul, attention included
-    counted = per_token * GPT3["tokens"]
-    error = abs(six_nd - GPT3["paper_flops"]) / GPT3["paper_flops"]
-    return claims.Measurement(
-        value={"6ND": six_nd, "per-matmul count": counted}, unit="FLOP",
-        text=f"6·N·D = {six_nd:.3g}; counted per matmul (T=2048, attention and lm head included) = {counted:.3g}",
-        device="computed", verdict="holds" if error < 0.02 else "wrong")
-
-
-@claims.register("C2", chapter=1)
-def _claim_gpt3_days() -> claims.Measurement:
-    from llmlab.hardware import SPECS
-
-    peak = SPECS["A100 SXM"].peak_flops("bf16")
-    needed = implied_mfu(GPT3["paper_flops"], CLAIMED_GPUS, CLAIMED_DAYS, peak)
-    # within the range of MFUs real runs reported, up to Megatron-LM's 52% of A100 peak at 1T parameters
-    # (Narayanan et al. 2021)
-    plausible = min(REPORTED_MFU.values()) <= needed <= 0.52
-    return claims.Measurement(
-        value=needed, unit="MFU",
-        text=f"needs {needed:.0%} MFU of the A100's {peak / 1e12:.0f} TFLOP/s bf16 dense: "
-             f"{'within' if plausible else 'outside'} the {min(REPORTED_MFU.values()):.0%}–52% that large runs "
-             "reported",
-        device="computed", verdict="holds with conditions" if plausible else "misleading")

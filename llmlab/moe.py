@@ -59,6 +59,7 @@ import torch.nn as nn
 from llmlab import claims
 from llmlab.dist.collectives import all_to_all
 from llmlab.dist.commlog import scope
+from llmlab.timing import compare
 
 __all__ = ["Expert", "Routing", "route", "MoELayer", "loop_reference", "bench"]
 
@@ -286,7 +287,6 @@ def bench(sizes: dict | None = None, repeats: int = 5) -> list[dict]:
     """Grouped top-2 MoE forward+backward vs dense MLPs, vs every expert on every token, time and drop rate per
     capacity factor, and vs the per-token loop at a small size. `sizes` overrides dim, hidden, experts, tokens."""
     from llmlab import runtime
-    from llmlab.bench import compare
 
     device = runtime.device()
     s = dict(dim=768, hidden=3072, experts=8, tokens=8192) if runtime.tier().is_gpu else dict(

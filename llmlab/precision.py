@@ -18,6 +18,8 @@ weights (torch.autocast), the usual recipe on A100/H100 and on CPUs.
     loss = model(x, y)[1]
     mp.backward(loss)          # scaled backward through the fp16 model
     stepped = mp.step()        # unscale into the fp32 masters, skip on overflow, copy back to fp16
+
+Claims C7 (≈3× speed) and C8 (loss scaling) are measured in `llmlab.claims.ch02`.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ import math
 
 import torch
 
-from llmlab import claims
+from llmlab.timing import compare
 
-__all__ = ["DynamicLossScaler", "MixedPrecision", "autocast", "representation", "PRECISIONS"]
+__all__ = ["DynamicLossScaler", "MixedPrecision", "autocast", "representation", "PRECISIONS", "bench"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -153,7 +155,7 @@ def representation(value: float) -> dict[str, dict]:
     return out
 
 
-# --- measured: step time per precision (`llmlab bench precision`), and the course text's claims C7, C8 -------
+# --- measured: step time per precision (`llmlab bench precision`; claim C7 uses it, in llmlab.claims.ch02) ---
 
 def _step(precision: str, preset: str, batch_size: int):
     """One training step of a fresh GPT `preset` in `precision` on this tier's device, as a function."""
@@ -187,11 +189,10 @@ def _step(precision: str, preset: str, batch_size: int):
 def bench(preset: str | None = None, batch_size: int | None = None, steps: int = 5) -> list[dict]:
     """Training-step time of the GPT in bf16 (autocast) and fp16 (+ loss scaler, fp32 masters) vs fp32.
 
-    The three run in turn, step by step (`llmlab.bench.compare`), so a busy spell of the machine slows all
+    The three run in turn, step by step (`llmlab.timing.compare`), so a busy spell of the machine slows all
     of them alike.
     """
     from llmlab import runtime
-    from llmlab.bench import compare
 
     p = runtime.preset()
     preset, batch_size = preset or p.model, batch_size or p.batch_size
@@ -205,35 +206,3 @@ def bench(preset: str | None = None, batch_size: int | None = None, steps: int =
         rows.append({"impl": f"{label} step", "peer": "fp32 step", "size": f"{preset} B={batch_size}",
                      **times, "speed-up": 1 / times["ratio"]})
     return rows
-
-
-@claims.register("C7", chapter=2)
-def _claim_three_times_faster() -> claims.Measurement:
-    rows = bench(steps=3)
-    best = max(rows, key=lambda r: r["speed-up"])
-    speedup = best["speed-up"]
-    verdict = "holds" if speedup >= 2.5 else "holds with conditions" if speedup >= 1.2 else "misleading"
-    return claims.Measurement(
-        value={r["impl"]: r["speed-up"] for r in rows}, unit="× vs fp32",
-        text=(", ".join(f"{r['impl']} {r['speed-up']:.2f}×" for r in rows) + " the fp32 step here. The gain "
-              "comes from tensor cores (A100: 312 vs 19.5 TFLOP/s) and halved memory traffic; without them "
-              "half precision gains little or loses"),
-        device=claims.here(), verdict=verdict)
-
-
-@claims.register("C8", chapter=2)
-def _claim_loss_scaling() -> claims.Measurement:
-    c = torch.tensor(1e-4, dtype=torch.float16)
-    grads = {}
-    for name, scaler in (("unscaled", None), ("scaled", DynamicLossScaler(init_scale=2.0**14))):
-        w = torch.nn.Parameter(torch.ones(1, dtype=torch.float16))
-        loss = (w * c * c).sum()  # the gradient c·c ≈ 1e-8 is below fp16's smallest subnormal, 6e-8
-        (scaler.scale_loss(loss) if scaler else loss).backward()
-        grads[name] = w.grad.double().item() / (scaler.scale if scaler else 1.0)
-    survives = grads["unscaled"] == 0 and grads["scaled"] > 0
-    return claims.Measurement(
-        value=grads, unit="gradient",
-        text=(f"a gradient of {float(c.double() ** 2):.3g}: fp16 without scaling gives {grads['unscaled']:g}, "
-              f"with loss scale 2^14 {grads['scaled']:.4g} after unscaling in fp32; fp32 master weights take "
-              "the update (DynamicLossScaler's scale trajectory equals torch.amp.GradScaler's, tested)"),
-        device=claims.here(), verdict="holds" if survives else "wrong")

@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from llmlab import claims
+from llmlab.timing import synchronize
 
 __all__ = ["MinMaxQuantizer", "LSQQuantizer", "QConfig", "QuantLinear", "quantize_model", "train_losses",
            "BENCH_CONFIGS", "bench"]
@@ -312,7 +313,6 @@ def _train(quant_config: QConfig | None, steps: int, seed: int, lr: float, batch
     """`train_losses` on `device`, with the wall time of every step (synchronised on a GPU) beside each loss."""
     import time
 
-    from llmlab.bench import synchronize
     from llmlab.data import MarkovSource, SyntheticDataset
     from llmlab.model import GPT, GPTConfig
 

@@ -9,13 +9,13 @@ matrix does the same work as before: half its multiplications are by zero.
     from llmlab import sparsity
     w24 = sparsity.prune_2_4(w)        # keep the 2 largest |w| of every 4 along the input dimension
     sparsity.is_2_4(w24)               # True
+
+Claim C3 (tensor cores and the spec sheets' sparse peaks) is measured in `llmlab.claims.ch01`.
 """
 
 from __future__ import annotations
 
 import torch
-
-from llmlab import claims
 
 __all__ = ["two_four_mask", "prune_2_4", "is_2_4"]
 
@@ -43,24 +43,3 @@ def prune_2_4(w: torch.Tensor) -> torch.Tensor:
 def is_2_4(w: torch.Tensor) -> bool:
     """Every group of 4 along the last dimension has at most 2 non-zeros."""
     return bool(((_groups(w) != 0).sum(-1) <= 2).all())
-
-
-@claims.register("C3", chapter=1)
-def _claim_tensor_cores() -> claims.Measurement:
-    from llmlab.bench import compare
-    from llmlab.hardware import SPECS
-
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(1024, 1024, generator=g)
-    x = torch.randn(256, 1024, generator=g)
-    w24 = prune_2_4(w)
-    zeros = (w24 == 0).float().mean().item()
-    slowdown = compare(lambda: x @ w24.T, lambda: x @ w.T, repeats=7)["ratio"]  # pruned time / dense time
-    ratios = {f"{s.bf16_sparse_tflops / s.bf16_tflops:.2g}×" for s in SPECS.values() if s.bf16_sparse_tflops}
-    return claims.Measurement(
-        value={"zero fraction": zeros, "pruned/dense time": slowdown}, unit="",
-        text=(f"2:4 pruning zeroes {zeros:.0%} of a weight, yet a dense matmul with it takes "
-              f"{slowdown:.2f}× the time here; the spec sheets' sparse peaks are {', '.join(sorted(ratios))} dense, "
-              "reached only by sparse kernels on 2:4 weights. Tensor cores are matrix units inside SIMT SMs "
-              "(issued per warp), not SIMT units themselves"),
-        device=claims.here(), verdict="misleading")

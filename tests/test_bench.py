@@ -1,50 +1,33 @@
-"""llmlab.bench.format_table: the plain-text tables every chapter prints; wide ones wrap their headers to fit."""
+"""llmlab.bench, the command side: the registry of benches and `run`, which prints a text table and a record."""
 
-import re
+import json
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from llmlab import bench
 
 
-def test_a_narrow_table_is_one_header_line_numbers_right_text_left():
-    text = bench.format_table([{"size": 1, "ms": 0.5}, {"size": 1024, "note": "x"}])
-    assert text.splitlines() == ["size   ms  note", "----  ---  ----", "   1  0.5", "1024       x"]
-    assert bench.format_table([]) == "(no results)"
+def test_registry():
+    assert bench.names() == sorted(bench.BENCHES) and "vector_add" in bench.names()
+    assert all(target.count(":") == 1 and target.startswith("llmlab.") for target in bench.BENCHES.values())
+    with pytest.raises(ValueError, match="bench 'nope' unknown; known benches: allreduce, checkpoint, "):
+        bench.get("nope")
 
 
-def test_long_headers_wrap_until_the_table_fits():
-    row = {"stage": "ZeRO-1", "params / grads / optimizer (kB)": "433 / 433 / 866", "per rank": "1.1 kB",
-           "measured / formula": "1.0000", "sent per step": "649.7 kB", "formula (2Ψ or 3Ψ)·(N−1)/N": "649.7 kB",
-           "sent / formula": "1.0000"}
-    lines = bench.format_table([row], width=80).splitlines()
-    assert max(map(len, lines)) <= 80 and len(lines) > 3  # headers on more than one line
-    rule = next(i for i, line in enumerate(lines) if set(line) <= {"-", " "})
-    assert lines[rule + 1].split() == ["ZeRO-1", "433", "/", "433", "/", "866", "1.1", "kB", "1.0000", "649.7", "kB",
-                                       "649.7", "kB", "1.0000"]  # values whole, in their columns
+def test_get_imports_the_module_only_when_asked(monkeypatch):
+    monkeypatch.setitem(bench.BENCHES, "toy", "llmlab.tables:format_table")
+    from llmlab import tables
+
+    assert bench.get("toy") is tables.format_table
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.dictionaries(st.sampled_from(["a b c d e f", "long header words here", "x", "y z"]),
-                                st.text("abc123 ", max_size=12), min_size=1), min_size=1, max_size=4),
-       st.integers(1, 120))
-def test_every_word_and_value_survives_and_columns_line_up(rows, width):
-    text = bench.format_table(rows, width)
-    lines = text.split("\n")  # a row of empty values is an empty line
-    rule = next(i for i, line in enumerate(lines) if line and set(line) <= {"-", " "})
-    header_words = " ".join(lines[:rule]).split()
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    assert header_words == " ".join(" ".join(c.split()) for c in columns).split() or \
-        sorted(header_words) == sorted(" ".join(columns).split())  # wrapped headers keep every word
-    spans = [m.span() for m in re.finditer(r"-+", lines[rule])]
-    assert len(spans) == len(columns)
-    for row, line in zip(rows, lines[rule + 1:], strict=True):
-        for (start, end), column in zip(spans, columns, strict=True):
-            assert line[start:end].strip() == str(row.get(column, "")).strip()  # each value in its own column
-
-
-def test_bad_width():
-    with pytest.raises(ValueError, match="width=0"):
-        bench.format_table([{"a": 1}], width=0)
+def test_run_prints_a_text_table_and_writes_the_record(monkeypatch, capsys, tmp_path):
+    rows = [{"impl": "mine", "peer": "torch", "size": 1024, "impl_ms": 0.5, "peer_ms": 1.0, "ratio": 0.5}]
+    monkeypatch.setattr(bench, "get", lambda name: lambda: rows)
+    assert bench.run("toy", tmp_path / "out" / "toy.json") == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("bench toy · ")
+    assert printed[1:4] == ["impl  peer   size  impl_ms  peer_ms  ratio", "----  -----  ----  -------  -------  -----",
+                            "mine  torch  1024      0.5        1    0.5"]  # text, not HTML, in a terminal
+    record = json.loads((tmp_path / "out" / "toy.json").read_text())
+    assert json.loads(printed[5]) == record and record["results"] == rows and record["sizes"] == [1024]

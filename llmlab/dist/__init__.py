@@ -6,10 +6,11 @@
         c.run(fn)
     dist.init_from_env()               # inside a script started by torchrun
 
-On the ranks: collectives built from point-to-point messages (`collectives`: ring_all_reduce, tree_all_reduce,
-ring_reduce_scatter, ring_all_gather, tree_broadcast, all_to_all), a log of the bytes they move (`CommLog`),
-their α-β cost model (`cost`) and overlap of communication with computation (`overlap`). Those load torch,
-so they are imported on first use: `import llmlab.dist` stays cheap.
+On the ranks: the process grid (`Grid(dp=, tp=, pp=)`, built once on every rank: this rank's coordinates and
+its data-, tensor- and pipeline-parallel groups), collectives built from point-to-point messages (`collectives`:
+ring_all_reduce, tree_all_reduce, ring_reduce_scatter, ring_all_gather, tree_broadcast, all_to_all), a log of the
+bytes they move (`CommLog`), their α-β cost model (`cost`) and overlap of communication with computation
+(`overlap`). Those load torch, so they are imported on first use: `import llmlab.dist` stays cheap.
 """
 
 import importlib
@@ -21,6 +22,7 @@ _LAZY = {name: "llmlab.dist.collectives" for name in ("ring_all_reduce", "tree_a
                                                        "ring_all_gather", "tree_broadcast", "all_to_all",
                                                        "chunk_sizes")}
 _LAZY["CommLog"] = "llmlab.dist.commlog"
+_LAZY["Grid"] = "llmlab.dist.grid"
 
 __all__ = ["Cluster", "RankCrashed", "RankError", "spawn", "init_from_env", *_LAZY]
 

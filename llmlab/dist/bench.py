@@ -19,7 +19,7 @@ tree stops being faster (`cost.crossover_bytes`); the measured crossover is read
     from llmlab.dist import bench
     run = bench.measure(sizes=[1024, 65536, 4 << 20], world_size=4)   # or cluster=an open dist.Cluster(4)
     run.crossover(), run.predicted_crossover(), run.link_fit()
-    print(llmlab.bench.format_table(run.rows()))
+    print(llmlab.tables.format_table(run.rows()))
 
 `bench()` is what `llmlab bench allreduce` runs (4 ranks, every default size). Claim C12 (ring bandwidth-
 optimal, tree latency-optimal) is measured here too. On a GPU machine with ≥ 2 GPUs the ranks use NCCL and

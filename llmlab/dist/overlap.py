@@ -7,16 +7,17 @@ communication is shorter than computation, all of it but the last layer's hides 
 
 This module runs that pattern on real ranks with stand-in layers (a `batch × dim` by `dim × dim` matmul and a
 `dim × dim` "gradient" per layer, tens of ms each on a laptop core) and records every compute and
-communication span on every rank:
+communication span on every rank (an `llmlab.timeline.Timeline`, one lane per rank, spans "compute" and "comm"):
 
-    from llmlab import dist
+    from llmlab import dist, plots
     from llmlab.dist import overlap
+    from llmlab.timeline import Timeline
 
     with dist.Cluster(2) as cluster:
-        runs = overlap.compare(cluster)            # {"serial": [Timeline per rank], "async": [...]}
-    for mode, timelines in runs.items():
-        print(mode, max(t.total for t in timelines))
-    overlap.plot_timeline(runs["async"])
+        runs = overlap.compare(cluster)            # {"serial": [RankRun per rank], "async": [...]}
+    for mode, ranks in runs.items():
+        print(mode, max(r.total for r in ranks))
+    plots.plot_timeline(Timeline.merge(r.timeline for r in runs["async"]), split_kinds=True)
 
 `comm="torch"` uses `torch.distributed.all_reduce(..., async_op=True)` (a comm span runs from the call to the
 moment gloo/NCCL completes it, read from the Work's future, so it includes time queued behind the previous
@@ -30,41 +31,34 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as td
 
 from llmlab.dist.collectives import ring_all_reduce
+from llmlab.timeline import Span, Timeline
 
-__all__ = ["Span", "Timeline", "run_layers", "compare", "plot_timeline", "MODES", "COMMS"]
+__all__ = ["RankRun", "run_layers", "compare", "MODES", "COMMS"]
 
 MODES = ("serial", "async")
 COMMS = ("torch", "ring")
 
 
-@dataclass(frozen=True)
-class Span:
-    kind: str  # "compute" or "comm"
-    layer: int
-    start: float  # seconds since the ranks started together
-    end: float
-
-
 @dataclass
-class Timeline:
+class RankRun:
     """What one rank did in one run."""
 
     rank: int
     mode: str
     comm: str
     total: float  # seconds from the common start until every all-reduce had finished
-    spans: list[Span] = field(default_factory=list)
+    timeline: Timeline  # this rank's spans: "compute" and "comm", item = the layer, seconds since the common start
     grads: list[torch.Tensor] | None = None  # the all-reduced gradients, when keep_grads=True
 
 
 def run_layers(mode: str = "async", comm: str = "torch", n_layers: int = 8, dim: int = 1024, batch: int = 128,
-               group=None, seed: int = 0, keep_grads: bool = False) -> Timeline:
+               group=None, seed: int = 0, keep_grads: bool = False) -> RankRun:
     """On every rank of `group`: n_layers × (compute, all-reduce its gradient), serially or overlapped."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} must be one of {MODES}")
@@ -80,7 +74,7 @@ def run_layers(mode: str = "async", comm: str = "torch", n_layers: int = 8, dim:
 
     def record(kind, layer, start, end):
         with lock:  # comm spans may be recorded on gloo's or the helper's thread
-            spans.append(Span(kind, layer, start - t0, end - t0))
+            spans.append(Span(rank, kind, layer, start - t0, end - t0))
 
     def ring(grad, layer):  # on the helper thread: one all-reduce after the other, in layer order
         start = time.perf_counter()
@@ -120,12 +114,12 @@ def run_layers(mode: str = "async", comm: str = "torch", n_layers: int = 8, dim:
     total = time.perf_counter() - t0
     if helper:
         helper.shutdown()
-    return Timeline(rank, mode, comm, total, sorted(spans, key=lambda s: (s.start, s.kind)),
-                    grads if keep_grads else None)
+    return RankRun(rank, mode, comm, total, Timeline(tuple(sorted(spans, key=lambda s: (s.start, s.kind))), "rank"),
+                   grads if keep_grads else None)
 
 
-def compare(cluster, modes=MODES, warmup: int = 1, timeout: float = 120.0, **kwargs) -> dict[str, list[Timeline]]:
-    """Run `run_layers` in each mode on every rank of `cluster` (a `dist.Cluster`); {mode: [Timeline per rank]}.
+def compare(cluster, modes=MODES, warmup: int = 1, timeout: float = 120.0, **kwargs) -> dict[str, list[RankRun]]:
+    """Run `run_layers` in each mode on every rank of `cluster` (a `dist.Cluster`); {mode: [RankRun per rank]}.
 
     `warmup` untimed runs first (thread pools, allocator, gloo buffers). `kwargs` go to `run_layers`.
     """
@@ -136,25 +130,3 @@ def compare(cluster, modes=MODES, warmup: int = 1, timeout: float = 120.0, **kwa
 
 def _run(mode, kwargs):
     return run_layers(mode, **kwargs)
-
-
-def plot_timeline(timelines: list[Timeline], ax=None, title: str | None = None):
-    """One row per rank: compute bars above, communication bars below; returns the matplotlib Axes."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(9, 0.8 + 0.7 * len(timelines)))
-    colors = {"compute": "tab:blue", "comm": "tab:orange"}
-    for t in timelines:
-        for kind, offset in (("compute", -0.35), ("comm", 0.05)):  # y grows downwards (inverted below)
-            bars = [(s.start * 1e3, (s.end - s.start) * 1e3) for s in t.spans if s.kind == kind]
-            ax.broken_barh(bars, (t.rank + offset, 0.3), color=colors[kind], edgecolor="white",
-                           label=kind if t.rank == timelines[0].rank else None)
-    ax.set_yticks([t.rank for t in timelines], [f"rank {t.rank}" for t in timelines])
-    ax.set_xlabel("ms since the common start")
-    ax.invert_yaxis()
-    if timelines:
-        t = timelines[0]
-        ax.set_title(title or f"{t.mode} ({t.comm}): {max(x.total for x in timelines) * 1e3:.0f} ms")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
-    return ax

@@ -11,7 +11,7 @@ almost every kernel (the roofline model):
     print(m)    # cpu · AMD EPYC · 2 threads: matmul 0.071 TFLOP/s fp32 (n=1024), copy 9.5 GB/s (128 MiB)
 
 Both are measured the same way on a laptop CPU and on a GPU (where the clock is read only after
-`torch.cuda.synchronize`, see `llmlab.bench.median_seconds`).
+`torch.cuda.synchronize`, see `llmlab.timing.median_seconds`).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _check_seconds(seconds) -> float:
 def _median_within(fn, device, budget: float, started: float, first: float) -> float:
     """Median time of `fn`: `first` (a run already timed) plus more runs while the `budget` counted from
     `started` lasts; at least 3 in all (a median of fewer is no median), at most 50."""
-    from llmlab.bench import median_seconds
+    from llmlab.timing import median_seconds
 
     times = [first]
     # one more run, if it would still end inside the budget (runs last about `first` each)
@@ -98,7 +98,7 @@ def _matmul_flops(device, budget: float) -> tuple[float, int]:
     enough to time reliably, or to the largest size a small machine's memory holds. On a GPU this is true
     fp32 unless TF32 was switched on (`torch.set_float32_matmul_precision("high")`); torch's default is off.
     """
-    from llmlab.bench import median_seconds
+    from llmlab.timing import median_seconds
 
     started = time.perf_counter()
     # start where the machine is already well filled: a slow first run (a busy machine) must not stop the
@@ -121,7 +121,7 @@ def _copy_bandwidth(device, budget: float) -> tuple[float, int]:
     """
     import torch
 
-    from llmlab.bench import median_seconds
+    from llmlab.timing import median_seconds
 
     started = time.perf_counter()
     nbytes = (1 << 30) if device.type == "cuda" else (128 << 20)

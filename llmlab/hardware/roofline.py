@@ -12,13 +12,13 @@ right of the ridge; a GEMM with m = 1 (a matrix-vector product, e.g. decoding on
     from llmlab.hardware import roofline, SPECS
     I = roofline.gemm_intensity(4096, 4096, 4096, bytes_per_element=2)    # 1365 FLOP/byte
     roofline.attainable(I, SPECS["A100 SXM"].peak_flops(), SPECS["A100 SXM"].hbm_gbs * 1e9)
+
+Claim C4 (bandwidth matters, not only TFLOPS) is measured with it in `llmlab.claims.ch01`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-
-from llmlab import claims
 
 __all__ = ["gemm_flops", "gemm_bytes", "gemm_intensity", "attainable", "ridge_point", "bound", "Point",
            "model_gemms", "measure_point", "plot"]
@@ -84,7 +84,7 @@ def measure_point(point: Point, device=None, repeats: int = 5) -> Point:
     import torch
 
     from llmlab import runtime
-    from llmlab.bench import median_seconds
+    from llmlab.timing import median_seconds
 
     device = runtime.device() if device is None else torch.device(device)
     dtype = torch.bfloat16 if (device.type == "cuda" and point.bytes_per_element == 2) else torch.float32
@@ -129,24 +129,3 @@ def plot(devices: dict[str, tuple[float, float]], points: list[Point] = (), ax=N
             ax.annotate(p.label, (p.intensity, bottom), rotation=90, fontsize=7, va="bottom")
     ax.legend(fontsize=7)
     return ax
-
-
-@claims.register("C4", chapter=1)
-def _claim_bandwidth_matters() -> claims.Measurement:
-    from llmlab import hardware
-
-    machine = hardware.measure(seconds=0.6)
-    n = machine.matmul_n
-    square = measure_point(Point("square", n, n, n, 4))
-    # a weight far larger than any cache (256 MiB of fp32), so every byte really comes from memory
-    gemv = measure_point(Point("matrix-vector", 1, 8192, 8192, 4))
-    predicted = attainable(gemv.intensity, machine.matmul_flops, machine.copy_bandwidth)
-    share = gemv.measured_flops / square.measured_flops
-    return claims.Measurement(
-        value={"square FLOP/s": square.measured_flops, "gemv FLOP/s": gemv.measured_flops,
-               "gemv roofline FLOP/s": predicted}, unit="FLOP/s",
-        text=(f"a square {n}³ GEMM (intensity {square.intensity:.0f} FLOP/B) runs at "
-              f"{square.measured_flops / 1e9:.0f} GFLOP/s; a matrix-vector product with an 8192² weight "
-              f"(intensity {gemv.intensity:.2f}) at {gemv.measured_flops / 1e9:.1f} GFLOP/s = {share:.0%} of it, "
-              f"against ≤ {predicted / 1e9:.1f} predicted by the roofline from the measured copy bandwidth"),
-        device=claims.here(), verdict="holds" if share < 0.5 else "holds with conditions")

@@ -39,7 +39,7 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 from llmlab import claims
-from llmlab.bench import compare
+from llmlab.timing import compare
 
 __all__ = ["checkpoint", "checkpoint_sequential", "checkpointed", "segment_sweep", "bench"]
 

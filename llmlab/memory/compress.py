@@ -37,6 +37,7 @@ import torch
 
 from llmlab import claims
 from llmlab.memory import measure
+from llmlab.timing import compare
 
 __all__ = ["BITS", "Packed", "quantize", "dequantize", "compressed_activations", "CompressedActivations",
            "saved_bytes", "loss_curves", "bench"]
@@ -244,7 +245,6 @@ def bench(batch_size: int | None = None, repeats: int = 5) -> list[dict]:
     """Saved bytes and forward + backward time of the tiny GPT with 8-bit compressed activations vs
     uncompressed, in fp32 and bf16 (this tier's device and batch size)."""
     from llmlab import runtime
-    from llmlab.bench import compare
 
     device, B = runtime.device(), batch_size or runtime.preset().batch_size
     rows = []

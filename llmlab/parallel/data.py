@@ -24,7 +24,8 @@ process per GPU, as here) even on a single machine.
         model(x, y)[1].backward()                       # gradients are averaged when backward returns
         opt.step()
 
-Under torchrun: `dist.init_from_env()` first; nothing else changes.
+Under torchrun: `dist.init_from_env()` first; nothing else changes. Claim C5 (nn.DataParallel) is measured
+against torch's DDP in `llmlab.claims.ch02`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ import contextlib
 
 import torch
 import torch.distributed as td
-
-from llmlab import claims
 
 __all__ = ["DataParallel", "buckets"]
 
@@ -138,40 +137,3 @@ class DataParallel(torch.nn.Module):
                 p.grad.copy_(self._flat[i][offset:offset + n].view_as(p.grad)).div_(self.world_size)
                 offset += n
         self._reset()
-
-
-# --- the course text's claim C5 (§2.1), measured -------------------------------------------------------------
-
-def _ddp_gradients(kind: str) -> list[torch.Tensor]:
-    """One backward of the tiny GPT on this rank's half of a batch, under `kind` ('ours' or 'torch')."""
-    from llmlab.data import MarkovSource, SyntheticDataset
-    from llmlab.model import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.preset("tiny")).double()
-    wrapped = DataParallel(model) if kind == "ours" else torch.nn.parallel.DistributedDataParallel(model)
-    x, y = SyntheticDataset(MarkovSource(64), batch_size=8, block_size=32, rank=td.get_rank(),
-                            world_size=td.get_world_size()).get_batch(0)
-    wrapped(x, y)[1].backward()
-    return [p.grad for p in model.parameters()]
-
-
-def _both_ddps():
-    return _ddp_gradients("ours"), _ddp_gradients("torch")
-
-
-@claims.register("C5", chapter=2)
-def _claim_data_parallel() -> claims.Measurement:
-    from llmlab import dist
-
-    results = dist.spawn(_both_ddps, 2, timeout=120, backend="gloo")  # CPU tensors, on any tier
-    diff = max((a - b).abs().max().item() for ours, theirs in results for a, b in zip(ours, theirs, strict=True))
-    legacy = torch.nn.DataParallel(torch.nn.Linear(2, 2))
-    replicas = len(legacy.device_ids)  # the GPUs nn.DataParallel would copy the model to on every forward
-    return claims.Measurement(
-        value={"max |our DDP − torch DDP| grad": diff, "nn.DataParallel devices here": replicas}, unit="",
-        text=(f"DDP written from scratch on 2 gloo ranks equals torch's DistributedDataParallel to {diff:.1e} "
-              f"(float64). nn.DataParallel here has {replicas} device(s) to replicate to: it is one process "
-              "that re-copies the model to each GPU every step and is GIL-bound; PyTorch recommends "
-              "DistributedDataParallel instead"),
-        device=claims.here(), verdict="misleading")

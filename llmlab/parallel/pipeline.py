@@ -13,7 +13,8 @@ sends the gradient of its input to s-1. Two schedules of the same work:
 Both leave each stage idle for the same "bubble": (p-1) of the (m+p-1) slots of the pipeline, so the bubble
 fraction is (p-1)/(m+p-1) when every stage takes the same time per micro-batch. `simulate` computes the
 timeline of a schedule from per-micro-batch times; `pipeline_step` runs it for real on ranks and records
-its own timeline; `plot_timeline` draws either one.
+its own timeline (an `llmlab.timeline.Timeline` of forward "F" and backward "B" spans, one lane per stage);
+`llmlab.plots.plot_timeline` draws either one.
 
     from llmlab import dist
     from llmlab.parallel import pipeline
@@ -34,9 +35,10 @@ import torch
 import torch.distributed as td
 
 from llmlab.memory.measure import SavedActivations
+from llmlab.timeline import Span, Timeline
 
-__all__ = ["SCHEDULES", "Action", "Event", "Timeline", "schedule", "simulate", "bubble_fraction", "partition",
-           "pipeline_step", "plot_timeline"]
+__all__ = ["SCHEDULES", "Action", "schedule", "simulate", "bubble_fraction", "peak_in_flight", "partition",
+           "pipeline_step"]
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -47,45 +49,17 @@ class Action:
     micro_batch: int
 
 
-@dataclass(frozen=True)
-class Event:
-    stage: int
-    kind: str
-    micro_batch: int
-    start: float
-    end: float
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """What each stage did when: simulated, or recorded by a real run (`pipeline_step`)."""
-
-    stages: int
-    micro_batches: int
-    events: tuple[Event, ...]
-
-    @classmethod
-    def from_ranks(cls, results: list[dict], micro_batches: int) -> Timeline:
-        """The timeline of a real run: the events that `pipeline_step` returned on every rank."""
-        return cls(len(results), micro_batches, tuple(e for r in results for e in r["events"]))
-
-    @property
-    def makespan(self) -> float:
-        return max(e.end for e in self.events) - min(e.start for e in self.events)
-
-    @property
-    def bubble(self) -> float:
-        """The idle share of the stages' time between the first start and the last end."""
-        busy = sum(e.end - e.start for e in self.events)
-        return 1.0 - busy / (self.stages * self.makespan)
-
-    def peak_in_flight(self, stage: int) -> int:
-        """The most micro-batches whose forward has run on `stage` but not yet their backward."""
+def peak_in_flight(timeline: Timeline) -> list[int]:
+    """Per stage of a pipeline's `timeline`: the most micro-batches whose forward had run but not yet their
+    backward (whose activations the stage held at once)."""
+    peaks = []
+    for stage in timeline.lanes:
         live = peak = 0
-        for e in sorted((e for e in self.events if e.stage == stage), key=lambda e: e.start):
-            live += 1 if e.kind == "F" else -1
+        for s in timeline.on(stage):
+            live += 1 if s.kind == "F" else -1
             peak = max(peak, live)
-        return peak
+        peaks.append(peak)
+    return peaks
 
 
 def bubble_fraction(stages: int, micro_batches: int) -> float:
@@ -131,7 +105,7 @@ def simulate(kind: str, stages: int, micro_batches: int, t_forward: float = 1.0,
         raise ValueError(f"t_forward={t_forward} and t_backward={t_backward} must be > 0")
     plans = schedule(kind, stages, micro_batches)
     done: dict[tuple[int, str, int], float] = {}
-    position, free_at, events = [0] * stages, [0.0] * stages, []
+    position, free_at, spans = [0] * stages, [0.0] * stages, []
     while any(position[s] < len(plans[s]) for s in range(stages)):
         progressed = False
         for s in range(stages):
@@ -145,12 +119,12 @@ def simulate(kind: str, stages: int, micro_batches: int, t_forward: float = 1.0,
                 start = max([free_at[s]] + [done[n] for n in need])
                 end = start + (t_forward if a.kind == "F" else t_backward)
                 done[(s, a.kind, a.micro_batch)] = free_at[s] = end
-                events.append(Event(s, a.kind, a.micro_batch, start, end))
+                spans.append(Span(s, a.kind, a.micro_batch, start, end))
                 position[s] += 1
                 progressed = True
         if not progressed:  # cannot happen for these schedules; guards a wrong one against looping forever
             raise RuntimeError(f"schedule {kind!r} deadlocks: {[plans[s][position[s]] for s in range(stages)]}")
-    return Timeline(stages, micro_batches, tuple(events))
+    return Timeline(tuple(spans), lane_name="stage")
 
 
 def partition(layers: torch.nn.Sequential, stages: int) -> list[torch.nn.Sequential]:
@@ -187,8 +161,8 @@ def pipeline_step(stage: torch.nn.Module, batch: torch.Tensor | None, target: to
     Rank 0 of `group` needs `batch` (B, ...) and the last rank `target`; both are split into
     `micro_batches` equal micro-batches. The loss is the mean over micro-batches, so the gradients equal
     those of the unsplit model on the whole batch. Gradients accumulate in `stage`'s parameters (no
-    optimizer step). Returns this rank's events, its peak number and bytes of micro-batches held, and the
-    loss on the last rank.
+    optimizer step). Returns this rank's timeline (`Timeline.merge` joins the ranks'), its peak number and bytes
+    of micro-batches held, and the loss on the last rank.
     """
     rank, p = td.get_rank(group), td.get_world_size(group)
     first, last = rank == 0, rank == p - 1
@@ -204,7 +178,7 @@ def pipeline_step(stage: torch.nn.Module, batch: torch.Tensor | None, target: to
     targets = target.chunk(micro_batches) if last else None
     held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (input, output) kept for backward
     held_bytes: dict[int, int] = {}  # micro-batch -> bytes of activations autograd saved for its backward
-    pending, events, total_loss = [], [], 0.0
+    pending, spans, total_loss = [], [], 0.0
     peak = peak_bytes = 0
     for a in schedule(kind, p, micro_batches)[rank]:
         if a.kind == "F":  # each action's clock starts once its input is here: waiting is the bubble
@@ -228,27 +202,9 @@ def pipeline_step(stage: torch.nn.Module, batch: torch.Tensor | None, target: to
             y.backward(grad)
             if not first:
                 pending += _send(x.grad, to_global(rank - 1), group)
-        events.append(Event(rank, a.kind, a.micro_batch, start, time.perf_counter()))
+        spans.append(Span(rank, a.kind, a.micro_batch, start, time.perf_counter()))
     for work in pending:
         work.wait()
-    return {"events": events, "peak_in_flight": peak, "peak_activation_bytes": peak_bytes,
-            "loss": total_loss if last else None}
+    return {"timeline": Timeline(tuple(spans), lane_name="stage"), "peak_in_flight": peak,
+            "peak_activation_bytes": peak_bytes, "loss": total_loss if last else None}
 
-
-def plot_timeline(timeline: Timeline, ax=None, title: str | None = None):
-    """One row per stage; forwards and backwards as bars labelled by micro-batch."""
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * timeline.stages))
-    t0 = min(e.start for e in timeline.events)
-    colours = {"F": "tab:blue", "B": "tab:orange"}
-    for e in timeline.events:
-        ax.barh(e.stage, e.end - e.start, left=e.start - t0, color=colours[e.kind], edgecolor="white")
-        ax.text(e.start - t0 + (e.end - e.start) / 2, e.stage, str(e.micro_batch), ha="center", va="center",
-                fontsize=7, color="white")
-    ax.set(yticks=range(timeline.stages), yticklabels=[f"stage {s}" for s in range(timeline.stages)],
-           xlabel="time", title=title or f"bubble {timeline.bubble:.0%} (formula "
-                                         f"{bubble_fraction(timeline.stages, timeline.micro_batches):.0%})")
-    ax.invert_yaxis()
-    return ax

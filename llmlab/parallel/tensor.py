@@ -19,7 +19,7 @@ so a transformer block costs exactly two all-reduces forward and two backward.
 The course text's `ColumnParallelLinear` snippet (§2.2) allocates the full (output_size, input_size) weight,
 never calls `super().__init__()` and has no forward: nothing is split and nothing communicates. Here
 `ColumnParallelLinear.from_linear(linear)` builds a rank's shard from the full layer, so its output and
-gradients can be compared with the layer it came from.
+gradients can be compared with the layer it came from (claim C6, measured in `llmlab.claims.ch02`).
 
     def block(x):                                   # on every rank of dist.spawn(block, 2, x)
         layer = ColumnParallelLinear.from_linear(full, gather_output=True)
@@ -34,7 +34,6 @@ import torch
 import torch.distributed as td
 import torch.nn.functional as F
 
-from llmlab import claims
 from llmlab.model import causal_attention, split_heads
 
 __all__ = ["copy_to_parallel", "reduce_from_parallel", "gather_from_parallel", "scatter_to_parallel",
@@ -233,30 +232,3 @@ class ParallelBlock(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))  # (B, T, C)
         return x + self.mlp(self.ln_2(x))  # (B, T, C)
-
-
-# --- the course text's claim C6 (§2.2), measured -------------------------------------------------------------
-
-def _column_parallel_matches():
-    torch.manual_seed(0)
-    full = torch.nn.Linear(16, 8).double()
-    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
-    y = ColumnParallelLinear.from_linear(full, gather_output=True)(x)
-    y.pow(2).sum().backward()
-    x_ref = x.detach().clone().requires_grad_()
-    y_ref = full(x_ref)
-    y_ref.pow(2).sum().backward()
-    return max((y - y_ref).abs().max().item(), (x.grad - x_ref.grad).abs().max().item())
-
-
-@claims.register("C6", chapter=2)
-def _claim_column_parallel() -> claims.Measurement:
-    from llmlab import dist
-
-    diff = max(dist.spawn(_column_parallel_matches, 2, timeout=120, backend="gloo"))  # CPU tensors
-    return claims.Measurement(
-        value=diff, unit="max abs difference",
-        text=(f"the course's snippet has no super().__init__(), no forward, no split and no communication; "
-              f"the completed ColumnParallelLinear (f before, all-gather after) on 2 ranks equals the unsplit "
-              f"layer's output and input gradient to {diff:.1e} (float64)"),
-        device=claims.here(), verdict="misleading")
