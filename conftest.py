@@ -4,9 +4,9 @@ This file sits at the project root so that `pytest chapters/01_compute.ipynb` lo
 
 Notebooks (chapters/, exercises/, solutions/, and tests/notebooks/) are executed by nbval, one pytest item
 per cell. The terminal summary gets a section "notebook wall times" listing each notebook with its total
-seconds (kernel start, every cell, shutdown) and its budget on a 2-core CPU (DESIGN §6): a chapter 60 s, an
+seconds (kernel start, every cell, shutdown) and its budget on a 2-core CPU (README, "Tests"): a chapter 60 s, an
 exercise or solution notebook 40 s. An over-budget notebook is marked OVER BUDGET but does not fail the
-run: wall time on a shared machine varies from run to run, and DESIGN §7 keeps speed out of pass/fail
+run: wall time on a shared machine varies from run to run, and speed stays out of pass/fail
 (`llmlab bench` measures speed). The section is there so a slow notebook is seen.
 
 Notebooks run in the kernel of this very Python (nbval's --nbval-current-env), so they import the llmlab

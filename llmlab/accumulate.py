@@ -13,7 +13,8 @@ k times too large (as if the learning rate were k× higher). Dividing each micro
 With data parallelism every rank accumulates over its own micro-batches and the ranks average their gradients
 with an all-reduce. DDP all-reduces after every backward unless the inner steps run under `model.no_sync()`;
 then only the last micro-batch communicates, and k micro-batches cost one all-reduce instead of k.
-`data_parallel_accumulate` does both so a `CommLog` can measure it (C13 in CLAIMS.md):
+`data_parallel_accumulate` does both so a `CommLog` can measure it (C13 in CLAIMS.md, measured with the demo
+model and batches below in `llmlab.claims.ch04`):
 
     def step(no_sync):                              # on every rank: dist.spawn(step, 4, True)
         with CommLog() as log:
@@ -27,10 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from llmlab import claims
+from llmlab import validation as check
 from llmlab.dist.collectives import ring_all_reduce
 
-__all__ = ["accumulate_gradients", "data_parallel_accumulate", "NoSyncBytes", "measure_no_sync"]
+__all__ = ["accumulate_gradients", "data_parallel_accumulate", "NoSyncBytes", "DEMO_MICRO_BATCHES", "demo_model",
+           "demo_batches", "demo_loss", "measure_no_sync", "recent_no_sync"]
 
 
 def _check(batches) -> list:
@@ -97,7 +99,7 @@ def data_parallel_accumulate(model: torch.nn.Module, loss_fn, batches, group=Non
     return total / len(batches)
 
 
-# --- C13: the material's snippet, and what no_sync saves, measured ----------------------------------------------
+# --- the demonstration of C13: the material's snippet, and what no_sync saves ------------------------------------
 
 @dataclass(frozen=True)
 class NoSyncBytes:
@@ -114,19 +116,25 @@ class NoSyncBytes:
 DEMO_MICRO_BATCHES = 4  # k of the C13 demonstration
 
 
-def _demo_model() -> torch.nn.Module:
+def demo_model() -> torch.nn.Module:
+    """The demonstration's model: a small float64 MLP, 32 → 64 → 1, the same weights on every call (seed 0)."""
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).double()
 
 
-def _demo_batches(seed: int, micro_batches: int, rows: int = 8) -> list:
+def demo_batches(seed: int, micro_batches: int, rows: int = 8) -> list:
+    """`micro_batches` micro-batches (x, y) of `rows` random float64 examples each for `demo_model`, drawn with
+    generator seed `seed`."""
+    check.positive_int("micro_batches", micro_batches)
+    check.positive_int("rows", rows)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(micro_batches * rows, 32, generator=g, dtype=torch.float64)  # (k·rows, 32)
     y = torch.randn(micro_batches * rows, 1, generator=g, dtype=torch.float64)  # (k·rows, 1)
     return list(zip(x.split(rows), y.split(rows), strict=True))  # k × ((rows, 32), (rows, 1))
 
 
-def _mse(model, batch):
+def demo_loss(model, batch):
+    """The demonstration's loss: mean squared error of `model` on one (x, y) batch."""
     x, y = batch
     return torch.nn.functional.mse_loss(model(x), y)
 
@@ -136,12 +144,12 @@ def _no_sync_on_rank(micro_batches: int) -> tuple[int, int, int, float]:
 
     from llmlab.dist.commlog import CommLog
 
-    batches = _demo_batches(100 + td.get_rank(), micro_batches)  # this rank's micro-batches
+    batches = demo_batches(100 + td.get_rank(), micro_batches)  # this rank's micro-batches
     sent, grads = [], []
     for no_sync in (False, True):
-        model = _demo_model()
+        model = demo_model()
         with CommLog() as log:
-            data_parallel_accumulate(model, _mse, batches, no_sync=no_sync)
+            data_parallel_accumulate(model, demo_loss, batches, no_sync=no_sync)
         sent.append(log.by_op()["ring_all_reduce"].bytes_sent)  # the gradients' bytes, not the input checks
         grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))  # (Ψ,)
     psi = grads[0].numel() * grads[0].element_size()
@@ -170,31 +178,6 @@ def measure_no_sync(cluster=None, world_size: int = 2, micro_batches: int = DEMO
     return result
 
 
-@claims.register("C13", chapter=4)
-def _claim_snippet_scaling() -> claims.Measurement:
-    k = DEMO_MICRO_BATCHES
-    batches = _demo_batches(0, k)
-    x, y = (torch.cat(parts) for parts in zip(*batches, strict=True))  # the large batch: (k·8, 32), (k·8, 1)
-    large = _demo_model()
-    _mse(large, (x, y)).backward()
-    reference = torch.cat([p.grad.reshape(-1) for p in large.parameters()])  # (Ψ,)
-    found = {}
-    for scale in (True, False):
-        model = _demo_model()
-        accumulate_gradients(model, _mse, batches, scale=scale)
-        found[scale] = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    divided_error = ((found[True] - reference).norm() / reference.norm()).item()
-    snippet_ratio = (found[False].norm() / reference.norm()).item()  # ‖snippet's gradient‖ / ‖large-batch's‖
-    comm = _measured[-1] if _measured else measure_no_sync()  # the chapter's run, or a new one
-    wrong = abs(snippet_ratio / k - 1) < 1e-6 and divided_error < 1e-9  # float64: only summation order differs
-    return claims.Measurement(
-        value={"snippet gradient / large-batch gradient": snippet_ratio, "divided: relative error": divided_error,
-               "bytes per step, every micro-batch": comm.sent_every_step, "bytes per step, no_sync": comm.sent_no_sync},
-        unit="×, fraction, bytes",
-        text=(f"k = {k} micro-batches: the snippet's accumulated gradient is {snippet_ratio:.4g}× the large-batch "
-              f"gradient; with the loss divided by k it equals it (relative error {divided_error:.1g}). With data "
-              f"parallelism on {comm.world_size} ranks, one rank sends {comm.sent_every_step / 1e3:.4g} kB per step "
-              f"when every one of {comm.micro_batches} micro-batches is all-reduced and "
-              f"{comm.sent_no_sync / 1e3:.4g} kB under no_sync ({comm.sent_every_step / comm.sent_no_sync:.3g}× less), "
-              f"the same gradient to {comm.max_grad_difference:.1g}"),
-        device=claims.here(), verdict="wrong" if wrong else "holds with conditions")
+def recent_no_sync() -> NoSyncBytes | None:
+    """The last `measure_no_sync` result in this process (e.g. the chapter's run), if any."""
+    return _measured[-1] if _measured else None

@@ -21,6 +21,8 @@ exactly zero on every step, the optimizer never moves them, and the model never 
     from llmlab.lora import apply_lora, trainable_parameters
     names = apply_lora(model, targets=("attn.c_attn", "attn.c_proj"), r=8, alpha=8)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-3)
+
+Claim C19 (≈90% saved; the snippet's all-zero A and B) is measured in `llmlab.claims.ch08`.
 """
 
 from __future__ import annotations
@@ -29,8 +31,6 @@ import math
 
 import torch
 import torch.nn as nn
-
-from llmlab import claims
 
 __all__ = ["LoRALinear", "apply_lora", "trainable_parameters", "lora_state_dict"]
 
@@ -154,110 +154,3 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Only the LoRA matrices A and B: the fine-tune's whole checkpoint (the base model is unchanged)."""
     return {k: v for k, v in model.state_dict().items() if k.endswith((".lora_A", ".lora_B"))}
-
-
-# --- claim C19: "LoRA saves ≈90% of training resources" -----------------------------------------------------
-
-def _adamw_state_bytes(params: list[nn.Parameter]) -> int:
-    """Bytes of AdamW's state after one step on `params`, summed from optimizer.state (exp_avg, exp_avg_sq,
-    step). On meta tensors this allocates nothing, so it measures GPT-2-sized models for free."""
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=False)
-    optimizer.step()
-    total = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values())
-    for p in params:
-        p.grad = None
-    return total
-
-
-def _saved_activation_bytes(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
-    """Bytes autograd keeps for backward during one forward (parameters excluded, each storage once)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x, y)[1].backward()
-    model.zero_grad(set_to_none=True)
-    return sum(saved.values())
-
-
-def _both_zero_never_learns(steps: int) -> tuple[float, float]:
-    """Fine-tune the tiny GPT with the course's all-zero A and B: (largest |A|,|B| after `steps` AdamW
-    steps, spread max − min of the loss on one fixed batch over those steps). Both are 0 when it never learns."""
-    from llmlab.data import MarkovSource, SyntheticDataset
-    from llmlab.model import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.preset("tiny"))
-    layers = [model.get_submodule(n) for n in apply_lora(model, r=4)]
-    for layer in layers:
-        nn.init.zeros_(layer.lora_A)
-    x, y = SyntheticDataset(MarkovSource(vocab_size=64, seed=1), batch_size=8, block_size=32).get_batch(0)
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        loss = model(x, y)[1]
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    largest = max(p.abs().max().item() for layer in layers for p in (layer.lora_A, layer.lora_B))
-    return largest, max(losses) - min(losses)
-
-
-@claims.register("C19", chapter=8)
-def _claim_lora_resources() -> claims.Measurement:
-    from llmlab.bench import compare
-    from llmlab.data import MarkovSource, SyntheticDataset
-    from llmlab.model import GPT, GPTConfig
-
-    def nbytes(params):
-        return sum(p.numel() * p.element_size() for p in params)
-
-    with torch.device("meta"):  # GPT-2 small's shapes, no memory
-        full, lora = GPT(GPTConfig.preset("gpt2")), GPT(GPTConfig.preset("gpt2"))
-    apply_lora(lora, r=8)
-    n_full, n_lora = (sum(p.numel() for p in trainable_parameters(m)) for m in (full, lora))
-    opt_full, opt_lora = (_adamw_state_bytes(trainable_parameters(m)) for m in (full, lora))
-    # What training holds besides activations: fp32 weights (all of them), gradients (trainable), AdamW state.
-    static_full = nbytes(full.parameters()) + nbytes(trainable_parameters(full)) + opt_full
-    static_lora = nbytes(lora.parameters()) + nbytes(trainable_parameters(lora)) + opt_lora
-    static_saving = 1 - static_lora / static_full
-
-    torch.manual_seed(0)
-    tiny_full = GPT(GPTConfig.preset("tiny"))
-    tiny_lora = GPT(GPTConfig.preset("tiny"))
-    apply_lora(tiny_lora, r=8)
-    x, y = SyntheticDataset(MarkovSource(vocab_size=64, seed=0), batch_size=8, block_size=64).get_batch(0)
-    act_saving = 1 - _saved_activation_bytes(tiny_lora, x, y) / _saved_activation_bytes(tiny_full, x, y)
-    step = lambda m: m(x, y)[1].backward()  # noqa: E731
-    time_ratio = compare(lambda: step(tiny_lora), lambda: step(tiny_full), repeats=5)["ratio"]
-    zero_steps = 5
-    zero_largest, zero_spread = _both_zero_never_learns(zero_steps)
-
-    opt_saving = 1 - opt_lora / opt_full
-    if opt_saving < 0.9:
-        verdict = "wrong"
-    else:
-        verdict = "holds" if min(static_saving, act_saving, 1 - time_ratio) >= 0.9 else "holds with conditions"
-    return claims.Measurement(
-        value={"trainable saving": 1 - n_lora / n_full, "AdamW state saving": opt_saving,
-               "weights+grads+AdamW saving": static_saving, "saved activations saving (tiny)": act_saving,
-               "fwd+bwd time LoRA/full (tiny)": time_ratio, "both-zero max |A|,|B|": zero_largest,
-               "both-zero loss spread": zero_spread},
-        unit="fraction",
-        text=(f"GPT-2 ({n_full / 1e6:.0f}M params), LoRA r=8 on attn.c_attn+attn.c_proj: trainable "
-              f"{n_lora:,} vs {n_full:,}, AdamW state {opt_lora / 2**20:.1f} MiB vs {opt_full / 2**20:.0f} MiB "
-              f"({opt_saving:.1%} less); but weights+grads+AdamW only {static_saving:.0%} less (the frozen weights "
-              f"stay), and on the tiny GPT saved activations {act_saving:.0%} less and a forward+backward takes "
-              f"{time_ratio:.2f}× the full fine-tune's time (backward still runs through every layer). The "
-              f"snippet's all-zero A and B: after {zero_steps} AdamW steps max |A|,|B| = {zero_largest:g}, loss "
-              f"spread {zero_spread:g} — it never learns"),
-        device=claims.here(), verdict=verdict)

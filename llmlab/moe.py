@@ -44,6 +44,8 @@ collapses onto a few experts, Shazeer et al. 2017 §4).
     y, aux_loss = layer(x)                       # x (..., 64) -> y (..., 64); loss = task + aux_loss
     layer.routing.drop_rate                      # of the last forward
     ep = MoELayer.from_layer(layer, group)       # on every rank: this rank's experts, the router replicated
+
+Claim C20 (active parameters per token) is measured in `llmlab.claims.ch08`.
 """
 
 from __future__ import annotations
@@ -56,7 +58,6 @@ import torch
 import torch.distributed as td
 import torch.nn as nn
 
-from llmlab import claims
 from llmlab.dist.collectives import all_to_all
 from llmlab.dist.commlog import scope
 from llmlab.timing import compare
@@ -318,54 +319,3 @@ def bench(sizes: dict | None = None, repeats: int = 5) -> list[dict]:
     rows.append({"impl": "MoE grouped, dropless", "peer": "per-token loop (loop_reference)",
                  "size": f"T=64 C=32 H=128 E=4 k={k}", **r})
     return rows
-
-
-@claims.register("C20", chapter=8)
-def _claim_moe_active_parameters() -> claims.Measurement:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from llmlab.model import MLP, GPTConfig
-
-    config, E, k, T = GPTConfig.preset("gpt2"), 8, 2, 64
-    C, H = config.n_embd, 4 * config.n_embd
-    torch.manual_seed(0)
-    layer = MoELayer(C, H, E, k, capacity_factor=None)
-    total = sum(p.numel() for p in layer.parameters())
-    with torch.device("meta"):
-        dense, wide = MLP(config), Expert(C, E * H)  # hidden H; hidden E·H (about the MoE's total parameters)
-
-    def flops_per_token(module, x):
-        with FlopCounterMode(display=False) as counter:
-            module(x)
-        return counter.get_total_flops() / T
-
-    with torch.no_grad():
-        moe_flops = flops_per_token(layer, torch.randn(T, C))
-    sequence_experts = layer.routing.load.count_nonzero().item()  # experts that T random tokens touch
-    dense_flops, wide_flops = (flops_per_token(m, torch.randn(T, C, device="meta")) for m in (dense, wide))
-    y, _ = layer(torch.randn(1, C))  # one token: the parameters that get a gradient are the ones it used
-    y.sum().backward()
-    active = sum(p.numel() for p in layer.parameters() if p.grad.count_nonzero() > 0)
-    layer.zero_grad(set_to_none=True)
-    expert = sum(p.numel() for p in layer.experts[0].parameters())
-
-    router = nn.Linear(64, E, bias=False)  # a random router on random tokens: only the routing runs
-    logits = router(torch.randn(4096, 64)).detach()
-    sweep = {cf: route(logits, k, cf) for cf in (0.75, 1.0, 1.25, 1.5, 2.0, None)}
-    balance = sweep[None].balance_loss.item()
-    holds = active == k * expert + layer.gate.weight.numel() and abs(moe_flops / dense_flops / k - 1) < 0.01
-    table = ", ".join(f"{'dropless' if cf is None else cf}: {r.drop_rate:.1%}" for cf, r in sweep.items())
-    return claims.Measurement(
-        value={"active/total params": active / total, "MoE/dense(H) FLOPs per token": moe_flops / dense_flops,
-               "MoE/dense(E·H) FLOPs per token": moe_flops / wide_flops, "balance loss (random router)": balance,
-               **{f"drop rate cf={cf}": r.drop_rate for cf, r in sweep.items()}},
-        unit="ratio",
-        text=(f"top-{k} of {E} experts at GPT-2 width (C={C}, H={H}): one token's gradient reaches {active:,} of "
-              f"{total:,} parameters ({active / total:.1%}: {k} experts and the router); {moe_flops / 1e6:.1f} "
-              f"MFLOP per token = {moe_flops / dense_flops:.3f}× the dense MLP of hidden {H}, "
-              f"{moe_flops / wide_flops:.3f}× a dense MLP of hidden {E}·{H} (about the same total parameters). But "
-              f"{T} random tokens touch {sequence_experts} of {E} experts: per sample rather than per token, "
-              f"nearly all weights are read. Random router: balance loss {balance:.3f} (1 = uniform); drop rate "
-              f"by capacity factor {table}. Conditions: two all-to-alls per pass under expert parallelism, "
-              f"dropped tokens at low capacity, a balance loss to keep the load even"),
-        device=claims.here(), verdict="holds" if holds else "holds with conditions")

@@ -25,6 +25,7 @@ import random
 import sys
 import warnings
 from dataclasses import dataclass, replace
+from importlib import metadata
 
 __all__ = [
     "Tier",
@@ -175,10 +176,8 @@ def describe() -> str:
     """One line saying where this is running, for the top of every chapter."""
     import torch
 
-    import llmlab
-
     t = tier()
     where = f"{t.n_gpus}× {t.gpu_name}" if t.is_gpu else f"CPU ({os.cpu_count()} cores)"
     triton_mode = "interpreted" if (triton_interpreted() or not t.is_gpu) else "compiled"
-    return (f"llmlab {llmlab.__version__} · {t.name} tier · {where} · device {device()} · "
+    return (f"llmlab {metadata.version('llmlab')} · {t.name} tier · {where} · device {device()} · "
             f"backend {backend(max(1, t.n_gpus))} · Triton {triton_mode} · torch {torch.__version__}")

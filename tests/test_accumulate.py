@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llmlab import dist
-from llmlab.accumulate import accumulate_gradients, data_parallel_accumulate
+from llmlab.accumulate import accumulate_gradients, data_parallel_accumulate, demo_batches
 
 K, M = 4, 8  # micro-batches, rows per micro-batch
 TOL = dict(rtol=1e-10, atol=1e-12)
@@ -64,6 +64,17 @@ def test_the_material_snippet_is_the_unscaled_version():
     snippet = _grads(model)
     accumulate_gradients(model, mse, list(zip(x.split(M), y.split(M), strict=True)), scale=False)
     assert all(torch.allclose(a, b, **TOL) for a, b in zip(snippet, _grads(model), strict=True))
+
+
+def test_demo_batches_are_reproducible_and_checked():
+    a, b = demo_batches(0, 3), demo_batches(0, 3, rows=8)
+    assert len(a) == 3 and all(torch.equal(x1, x2) and torch.equal(y1, y2)
+                               for (x1, y1), (x2, y2) in zip(a, b, strict=True))
+    assert a[0][0].shape == (8, 32) and a[0][1].shape == (8, 1)
+    with pytest.raises(ValueError, match="micro_batches=0 must be a positive int"):
+        demo_batches(0, 0)
+    with pytest.raises(ValueError, match="rows=True must be a positive int"):
+        demo_batches(0, 2, rows=True)
 
 
 def test_empty_batches_is_an_error():

@@ -1,4 +1,4 @@
-"""A real browser test of the workbook as a learner sees it (DESIGN §7): JupyterLab in headless Chromium.
+"""A real browser test of the workbook as a learner sees it (README, "Tests"): JupyterLab in headless Chromium.
 
 For each notebook case: start JupyterLab on a free localhost port with a random token, open the notebook in
 headless Chromium (Debian's /usr/bin/chromium, driven by Playwright's sync API), wait for the kernel to be idle,

@@ -1,5 +1,6 @@
-"""The claims registry: mechanics (on claims registered here, in private registries), the reference table,
-and the coverage test: every claim of every chapter that exists is registered and really computed."""
+"""The claims package's registry: mechanics (on claims registered here, in private registries), the reference
+table, the audit, the chapter modules it finds, and the coverage test: every claim of every chapter that exists is
+registered and really computed. What each chapter's claims measure is tested in tests/test_claims_chNN.py."""
 
 import math
 from pathlib import Path
@@ -7,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmlab import bench, claims
+from llmlab import claims, timing
+from llmlab.claims import ch06
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED_CLAIMS = ROOT.parent / "shared" / "CLAIMS.md"
@@ -15,7 +17,7 @@ SHARED_CLAIMS = ROOT.parent / "shared" / "CLAIMS.md"
 
 def _time_a_sum() -> float:
     """A small real measurement, defined outside llmlab (a function calling only this is not library code)."""
-    return bench.median_seconds(lambda: torch.ones(3).sum(), repeats=3)
+    return timing.median_seconds(lambda: torch.ones(3).sum(), repeats=3)
 
 
 # --- the reference table ------------------------------------------------------------------------------------
@@ -149,10 +151,10 @@ def test_audit_accepts_a_computation():
         return claims.Measurement(t, "s", "timed", claims.here(), "holds" if t < 3.5 else "wrong")
 
     assert claims.llmlab_references(computed) == []  # _time_a_sum is this file's, not llmlab's
-    assert claims.llmlab_references(lambda: bench.median_seconds(print)) == ["llmlab.bench"]
+    assert claims.llmlab_references(lambda: timing.median_seconds(print)) == ["llmlab.timing"]
 
     def uses_library():
-        t = bench.median_seconds(lambda: math.sqrt(2), repeats=3)
+        t = timing.median_seconds(lambda: math.sqrt(2), repeats=3)
         return claims.Measurement(t, "s", "timed", claims.here(), "holds" if t < 3.5 else "wrong")
 
     def imports_library():
@@ -176,7 +178,7 @@ def test_audit_rejects_constants_and_non_library_code():
     assert "the measured value(s) [3.15e+23] are typed in" in problems[1]
 
     def typed_tuple():
-        bench.median_seconds(print, repeats=1)
+        timing.median_seconds(print, repeats=1)
         return claims.Measurement((120.0, 31.4), "GB", "ZeRO", "computed", "holds")
 
     assert claims.audit(_claim(typed_tuple)) == [
@@ -185,7 +187,7 @@ def test_audit_rejects_constants_and_non_library_code():
         "compute them with llmlab code (reference figures belong in the library)"]
 
     def raises():
-        bench.median_seconds(print, repeats=0)
+        timing.median_seconds(print, repeats=0)
 
     assert "raised ValueError: repeats=0 must be >= 1" in claims.audit(_claim(raises))[0]
 
@@ -198,7 +200,7 @@ CHAPTERS = sorted(claims.chapter_notebooks(ROOT / "chapters"))
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda n: f"chapter{n:02d}")
 def test_every_claim_of_each_chapter_is_registered_and_computed(chapter):
     """For each chapters/NN_*.ipynb: every claim llmlab/CLAIMS.md puts in chapter NN is registered (by the
-    modules in claims.CLAIM_MODULES) and its function computes it with llmlab code. With no chapter yet,
+    chapter modules llmlab.claims.chNN) and its function computes it with llmlab code. With no chapter yet,
     this is an empty set (reported as one skipped test)."""
     problems = claims.chapter_problems(chapter)
     assert not problems, "\n".join(problems)
@@ -215,30 +217,43 @@ def test_coverage_check_fails_for_a_chapter_without_its_claims(tmp_path):
     reg = claims.Registry()
     for claim_id in ("C1", "C2", "C3"):
         reg.register(claim_id, chapter=1)(lambda: claims.Measurement(
-            bench.median_seconds(print, repeats=1), "s", "timed", "computed", "holds"))
+            timing.median_seconds(print, repeats=1), "s", "timed", "computed", "holds"))
     problems = claims.coverage_problems(tmp_path, registry=reg)
     assert len(problems) == 1 and problems[0].startswith("C4 (§1.1, chapter 1) is not registered")
 
 
-def test_table_imports_the_claim_modules_first(tmp_path, monkeypatch):
+def test_table_imports_the_chapter_modules_first(tmp_path, monkeypatch):
     """claims.table(chapter) runs load_all(), so a chapter's table is complete whatever it imported."""
     (tmp_path / "claimsdemo_mod.py").write_text(
-        "from llmlab import bench, claims\n\n"
+        "from llmlab import claims, timing\n\n"
         "@claims.register('C16', chapter=6)\n"
         "def warmup():\n"
-        "    t = bench.median_seconds(print, repeats=1)\n"
+        "    t = timing.median_seconds(print, repeats=1)\n"
         "    return claims.Measurement(t, 's', 'timed', claims.here(), 'holds')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     reg = claims.Registry()
     monkeypatch.setattr(claims, "REGISTRY", reg)
     monkeypatch.setattr(claims, "register", reg.register)
-    monkeypatch.setattr(claims, "CLAIM_MODULES", ("claimsdemo_mod",))
+    monkeypatch.setattr(claims, "chapter_modules", lambda: ["claimsdemo_mod"])
     rows = claims.table(6).rows
     assert [(r.id, r.verdict) for r in rows] == [("C16", "holds")]
     assert [p.split()[0] for p in claims.chapter_problems(6)] == ["C17"]  # C16 passes the audit
 
 
-def test_claim_modules_import_and_register_into_the_default_registry():
+def test_load_all_finds_one_module_per_chapter_and_each_claim_lives_in_its_chapters():
+    assert claims.chapter_modules() == [f"llmlab.claims.ch{n:02d}" for n in range(1, 9)]
     claims.load_all()
+    assert claims.REGISTRY.ids() == [r.id for r in claims.load_reference()]  # C1 … C21, every one registered
     for claim_id in claims.REGISTRY.ids():
-        assert claims.REGISTRY.get(claim_id).measure.__module__ in claims.CLAIM_MODULES
+        claim = claims.REGISTRY.get(claim_id)
+        assert claim.measure.__module__ == f"llmlab.claims.ch{claim.chapter:02d}", claim.origin
+
+
+def test_references_follow_a_chapter_modules_helpers_but_not_the_registry():
+    """A claim that calls a helper of its chapter module computes with what the helper calls; the claims
+    package's own functions (here(), the registry) compute nothing."""
+    found = claims.llmlab_references(ch06.clipping)  # clipping() itself calls only ch06._spike_run
+    assert "llmlab.train.clip.clip_grad_norm" in found
+    assert not any(name.startswith("llmlab.claims") for name in found)
+    assert claims.llmlab_references(lambda: claims.here()) == []
+    assert claims.llmlab_references(lambda: claims.Measurement) == []

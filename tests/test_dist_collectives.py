@@ -17,12 +17,13 @@ import pytest
 import torch
 
 from llmlab import dist
+from llmlab.dist import Grid
 
 GROUP_RANKS = {2: [1, 3], 3: [0, 2, 4], 4: [1, 2, 3, 4], 5: [0, 1, 2, 3, 4]}
 WORLD_SIZES = sorted(GROUP_RANKS)
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 LARGE = 2**20 + 3  # 4 MiB of fp32: several tree segments
-_groups: dict = {}  # on the ranks: world size → process group, made once per rank process
+_groups: dict = {}  # on the ranks: world size → its dist.Grid, built once per rank process
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +40,13 @@ def _group(n):
     """(group, my group rank) on the ranks of GROUP_RANKS[n]; (None, None) elsewhere."""
     import torch.distributed as td
 
-    if not _groups:  # every rank creates every subgroup, in the same order
-        _groups.update({k: td.new_group(ranks) for k, ranks in GROUP_RANKS.items() if k < td.get_world_size()})
+    if not _groups:  # every rank builds every subgroup's grid, in the same order
+        _groups.update({k: Grid(dp=k, ranks=ranks) for k, ranks in GROUP_RANKS.items() if k < td.get_world_size()})
     if td.get_rank() not in GROUP_RANKS[n]:
         return None, None
-    group = _groups.get(n)  # None: the default group
-    return group, td.get_rank(group)
+    if n not in _groups:
+        return None, td.get_rank()  # the default group, passed as group=None
+    return _groups[n].dp_group, _groups[n].dp_rank
 
 
 def _input(seed: int, rank: int, size, dtype) -> torch.Tensor:
@@ -289,9 +291,8 @@ def _not_a_member():
 
     from llmlab.dist import ring_all_reduce
 
-    _group(2)  # ranks 1 and 3
-    if td.get_rank() == 0:
-        ring_all_reduce(torch.ones(3), group=_groups[2])
+    if td.get_rank() == 0:  # what torch.distributed.new_group([1, 3]) gives rank 0: the non-member handle
+        ring_all_reduce(torch.ones(3), group=td.GroupMember.NON_GROUP_MEMBER)
 
 
 def test_a_rank_outside_the_group_is_told_so(cluster):

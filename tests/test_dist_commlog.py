@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from llmlab import dist
+from llmlab.dist import Grid
 
-SUBGROUPS = {2: [0, 1], 3: [0, 1, 2]}  # 4: the default group
-_groups: dict = {}
+_groups: dict = {}  # on the ranks: world size n → the dist.Grid of ranks 0 … n-1 (4: the default group, None)
 
 
 @pytest.fixture(scope="module")
@@ -17,13 +17,11 @@ def cluster():
 
 
 def _group(n):
-    import torch.distributed as td
-
-    if not _groups:
-        _groups.update({k: td.new_group(r) for k, r in SUBGROUPS.items()})
-    if n < 4 and td.get_rank() not in SUBGROUPS[n]:
-        return False
-    return _groups.get(n)
+    if not _groups:  # every rank builds every grid, in the same order
+        _groups.update({k: Grid(dp=k, ranks=range(k)) for k in (2, 3)})
+    if n not in _groups:
+        return None
+    return _groups[n].dp_group if _groups[n].member else False
 
 
 def _ring_and_torch(n, size):

@@ -93,6 +93,7 @@ def test_links_and_claim_c15_arithmetic():
     times = cost.link_times(2 * 7e9, 8)  # bf16 gradients of a 7B model, 8 ranks
     assert times["rdma100"] / times["nvlink4"] == pytest.approx(36, rel=0.01)  # 450 / 12.5
     assert all(link.source for link in cost.LINKS.values())
+    assert sorted(cost.NODE_LINKS + cost.NETWORK_LINKS) == sorted(cost.LINKS)  # every link, in one group each
 
 
 @pytest.mark.parametrize("call", [

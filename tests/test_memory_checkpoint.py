@@ -11,7 +11,13 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import checkpoint_sequential as torch_checkpoint_sequential
 
 from llmlab.memory import measure
-from llmlab.memory.checkpoint import checkpoint, checkpoint_sequential, checkpointed, segment_sweep
+from llmlab.memory.checkpoint import (
+    bench_every_block,
+    checkpoint,
+    checkpoint_sequential,
+    checkpointed,
+    segment_sweep,
+)
 from llmlab.model import GPT, GPTConfig
 
 TORCH_NON_REENTRANT = functools.partial(torch_checkpoint, use_reentrant=False)
@@ -136,6 +142,13 @@ def test_checkpointed_restores_the_modules_forward():
     with checkpointed([a, b]):
         assert isinstance(a.forward, functools.partial) and b.forward is not own
     assert "forward" not in a.__dict__ and b.forward is own
+
+
+def test_bench_every_block_times_and_counts_against_both_peers(one_thread):
+    rows = bench_every_block("tiny", 2, repeats=1)
+    assert [r["peer"] for r in rows] == ["no checkpointing", "torch.utils.checkpoint"]
+    assert rows[0]["saved_MB"] < rows[0]["peer_saved_MB"]  # only each block's input is kept
+    assert all(r["ratio"] == r["impl_ms"] / r["peer_ms"] for r in rows) and 0 < rows[0]["forward_share"]
 
 
 def test_errors_name_the_argument():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from llmlab import dist
+from llmlab.dist import Grid
 from llmlab.dist.collectives import chunk_sizes
 from llmlab.memory import planner
 from llmlab.memory.zero import ZeRO, measure_zero
@@ -42,15 +43,13 @@ def _batches():
 
 def _train(world, stage, bucket_mb=25.0):
     """STEPS of ZeRO `stage` on the first `world` ranks, each on its rows; what the tests check, per rank."""
-    import torch.distributed as td
-
     from llmlab.dist import CommLog
     from llmlab.memory import measure
 
-    group = td.new_group(list(range(world)))  # every rank takes part in creating a group
-    rank = td.get_rank()
-    if rank >= world:
+    grid = Grid(dp=world, ranks=range(world))  # every rank takes part in creating the groups
+    if not grid.member:
         return None
+    group, rank = grid.dp_group, grid.dp_rank
     model = _model()
     if rank > 0:  # a different start elsewhere: ZeRO must broadcast rank 0's parameters
         with torch.no_grad():
@@ -218,15 +217,14 @@ def test_stage_1_equals_torch_zero_redundancy_optimizer(cluster, runs):
 
 def _torch_zero(world):
     """torch.distributed.optim.ZeroRedundancyOptimizer over AdamW, gradients averaged by our DataParallel."""
-    import torch.distributed as td
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from llmlab.parallel.data import DataParallel
 
-    group = td.new_group(list(range(world)))
-    rank = td.get_rank()
-    if rank >= world:
+    grid = Grid(dp=world, ranks=range(world))
+    if not grid.member:
         return None
+    group, rank = grid.dp_group, grid.dp_rank
     model = DataParallel(_model(), group=group)
     opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, process_group=group,
                                   lr=LR, weight_decay=WD)
@@ -236,6 +234,85 @@ def _torch_zero(world):
         opt.step()
         opt.zero_grad()
     return [p.detach() for p in model.parameters()]
+
+
+def _resume(world, stage, states, steps, own=False):
+    """ZeRO `stage` on the first `world` ranks: load `states` (every saved rank's state_dict; `own`: only this
+    rank's, same world size) unless None, then train on steps[0] … steps[1]-1 of _batches(); this rank's
+    state_dict() right after loading, at the end, and the full parameters."""
+    grid = Grid(dp=world, ranks=range(world))
+    if not grid.member:
+        return None
+    zero = ZeRO(_model(), stage, lr=LR, weight_decay=WD, group=grid.dp_group)
+    if states is not None:
+        zero.load_state_dict(states[grid.dp_rank] if own else states)
+    loaded = zero.state_dict()
+    rows = slice(grid.dp_rank * BATCH // world, (grid.dp_rank + 1) * BATCH // world)
+    for x, y in _batches()[steps[0]:steps[1]]:
+        zero.zero_grad()
+        zero(x[rows], y[rows])[1].backward()
+        zero.step()
+    return {"loaded": loaded, "state": zero.state_dict(), "params": zero.full_parameters()}
+
+
+@pytest.fixture(scope="module")
+def saved(cluster):
+    """Every rank's state_dict after the first 2 of the STEPS updates, per (world, stage)."""
+    cache = {}
+
+    def save(world, stage):
+        if (world, stage) not in cache:
+            cache[world, stage] = [r["state"] for r in cluster.run(_resume, world, stage, None, (0, 2))[:world]]
+        return cache[world, stage]
+
+    return save
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("before, after", [(2, 4), (4, 2), (2, 3), (3, 2)])
+def test_state_dict_reshards_onto_another_data_parallel_size(cluster, saved, reference, stage, before, after):
+    """Saved after 2 updates on `before` ranks, the last update on `after` ranks: the same parameters as AdamW
+    on the full batch (so the shards, moments and step count were re-cut right, padding included)."""
+    states = saved(before, stage)
+    assert [s["world_size"] for s in states] == [before] * before and [s["step"] for s in states] == [2] * before
+    for r in cluster.run(_resume, after, stage, states, (2, STEPS))[:after]:
+        assert r["state"]["world_size"] == after and r["state"]["step"] == STEPS
+        for got, want in zip(r["params"], reference[1], strict=True):
+            _close(got, want)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_own_state_dict_resumes_bit_exactly(cluster, saved, stage):
+    states = saved(2, stage)
+    own = cluster.run(_resume, 2, stage, states, (2, STEPS), True)[:2]
+    joined = cluster.run(_resume, 2, stage, states, (2, STEPS))[:2]  # re-cut for the same world: the same slices
+    for rank, (mine, theirs) in enumerate(zip(own, joined, strict=True)):
+        for unit, saved_unit in zip(mine["loaded"]["units"], states[rank]["units"], strict=True):
+            assert all(torch.equal(unit[k], saved_unit[k]) for k in ("shard", "exp_avg", "exp_avg_sq"))
+        assert all(torch.equal(a, b) for a, b in zip(mine["params"], theirs["params"], strict=True))
+
+
+def _refused_states(two, four):
+    grid = Grid(dp=2, ranks=range(2))
+    if not grid.member:
+        return None
+    errors = []
+    for stage, state in ((1, two[::-1]), (1, four[grid.dp_rank]), (3, two), (1, [{"step": 2}, {"step": 2}])):
+        try:  # each refused before any collective
+            ZeRO(_model(), stage, group=grid.dp_group).load_state_dict(state)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_state_dicts_that_do_not_fit_are_refused(cluster, saved):
+    errors = cluster.run(_refused_states, saved(2, 1), saved(4, 1))[0]
+    assert len(errors) == 4
+    assert errors[0] == ("state must list every saved rank's state_dict in rank order: saved on 2 ranks, given "
+                         "ranks [1, 0]")
+    assert errors[1].startswith("state was saved by rank 0 of 4, this is rank 0 of 2")
+    assert errors[2] == "state[0] was saved at ZeRO stage 1, this ZeRO is stage 3"
+    assert errors[3] == "state[0] is not a ZeRO state_dict() (it has ['step'])"
 
 
 def test_measure_zero_against_the_papers_formulas(cluster):

@@ -3,18 +3,17 @@ and gradients), the drop rule is first come first served with first choices firs
 uniform routing and grows with imbalance, drop rate falls with the capacity factor, expert parallelism on 2 and 4
 ranks equals the single-process layer with two all-to-alls each way, and bad arguments are refused by name."""
 
-import dataclasses
-import functools
 import math
 
 import pytest
 import torch
 
-from llmlab import bench, claims, dist
+from llmlab import bench, dist
+from llmlab.dist import Grid
 from llmlab.moe import MoELayer, loop_reference, route
 
-SUBGROUPS = {2: [0, 1]}  # 4: the whole world (group=None would mean a single-process layer)
-_groups: dict = {}
+WORLD_SIZES = (2, 4)  # expert parallelism over ranks 0 … n-1 (group=None would mean a single-process layer)
+_groups: dict = {}  # on the ranks: world size → its dist.Grid
 
 
 @pytest.fixture(scope="module")
@@ -145,13 +144,10 @@ def test_bad_arguments_are_refused_by_name():
 
 
 def _group(world):
-    import torch.distributed as td
-
-    if not _groups:
-        _groups.update({k: td.new_group(r) for k, r in SUBGROUPS.items()})  # every rank takes part
-    if world < 4 and td.get_rank() not in SUBGROUPS[world]:
-        return False
-    return _groups.get(world, td.group.WORLD)
+    if not _groups:  # every rank builds every grid, in the same order
+        _groups.update({k: Grid(dp=k, ranks=range(k)) for k in WORLD_SIZES})
+    grid = _groups[world]
+    return grid.dp_group if grid.member else False  # 4: the default group
 
 
 def _expert_parallel(world, capacity_factor):
@@ -220,17 +216,6 @@ def _indivisible():
 def test_experts_not_divisible_by_the_world_size_is_refused(cluster):
     for message in cluster.run(_indivisible):
         assert message.startswith("num_experts=6 is not divisible by the expert-parallel world size 4")
-
-
-def test_claim_c20_is_measured_and_holds():
-    claim = claims.get("C20")
-    m = claim.measure()
-    measured_once = functools.wraps(claim.measure)(lambda: m)  # audit reads the source through __wrapped__
-    assert claim.chapter == 8 and not claims.audit(dataclasses.replace(claim, measure=measured_once))
-    assert m.verdict == "holds"
-    assert 0.25 < m.value["active/total params"] < 0.26  # k/E of the experts, plus the router
-    assert 2 < m.value["MoE/dense(H) FLOPs per token"] < 2.01  # 2 experts, plus the router's 2·C·E
-    assert m.value["drop rate cf=None"] == 0
 
 
 def test_moe_bench_rows_follow_the_table_convention(one_thread):

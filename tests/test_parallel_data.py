@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from llmlab import dist
+from llmlab.dist import Grid
 from llmlab.parallel.data import DataParallel, buckets
 
 STEPS, BATCH = 3, 8
@@ -26,14 +27,13 @@ def _batches():
 def _train(world, wrap, bucket_mb=25.0):
     """STEPS of SGD on this rank's rows of each batch, on the first `world` ranks; returns the final
     parameters and the number of all-reduces logged."""
-    import torch.distributed as td
 
     from llmlab.dist import CommLog
 
-    group = td.new_group(list(range(world)))  # every rank takes part in creating a group
-    rank = td.get_rank()
-    if rank >= world:
+    grid = Grid(dp=world, ranks=range(world))  # every rank takes part in creating the groups
+    if not grid.member:
         return None
+    group, rank = grid.dp_group, grid.dp_rank
     model = _model()
     if rank > 0:  # a different start on the other ranks: the broadcast from rank 0 must make them equal
         with torch.no_grad():

@@ -6,15 +6,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmlab import dist
+from llmlab.dist import Grid
 from llmlab.parallel import pipeline
+from llmlab.timeline import Timeline
 
 
 @given(p=st.integers(1, 8), m=st.integers(1, 16), kind=st.sampled_from(pipeline.SCHEDULES))
 def test_simulated_bubble_equals_formula(p, m, kind):
     t = pipeline.simulate(kind, p, m, t_forward=1.0, t_backward=2.0)
-    assert t.bubble == pytest.approx(pipeline.bubble_fraction(p, m))
-    assert len(t.events) == 2 * p * m
-    peaks = [t.peak_in_flight(s) for s in range(p)]
+    assert t.idle == pytest.approx(pipeline.bubble_fraction(p, m))
+    assert len(t.spans) == 2 * p * m and t.lanes == tuple(range(p)) and t.kinds == ("F", "B")
+    peaks = pipeline.peak_in_flight(t)
     if kind == "gpipe":
         assert peaks == [m] * p
     else:
@@ -37,15 +39,15 @@ def _model():
 
 
 def _run_stage(p, kind, micro_batches):
-    import torch.distributed as td
 
-    group = td.new_group(list(range(p)))  # every rank takes part in creating the group
-    if td.get_rank() >= p:
+    grid = Grid(pp=p, ranks=range(p))  # every rank takes part in creating the groups
+    if not grid.member:
         return None
     torch.manual_seed(1)
     batch, target = torch.randn(12, 16, dtype=torch.float64), torch.randn(12, 16, dtype=torch.float64)
-    stage = pipeline.partition(_model(), p)[td.get_rank()]
-    out = pipeline.pipeline_step(stage, batch, target, torch.nn.functional.mse_loss, micro_batches, kind, group)
+    stage = pipeline.partition(_model(), p)[grid.pp_rank]
+    out = pipeline.pipeline_step(stage, batch, target, torch.nn.functional.mse_loss, micro_batches, kind,
+                                 grid.pp_group)
     out["grads"] = [prm.grad for prm in stage.parameters()]
     return out
 
@@ -74,8 +76,9 @@ def test_real_pipeline_equals_unsplit_model(cluster, p, kind):
     assert results[-1]["loss"] == pytest.approx(loss.item(), rel=1e-12)
     peaks = [r["peak_in_flight"] for r in results]
     assert peaks == ([m] * p if kind == "gpipe" else [min(p - s, m) for s in range(p)])
-    timeline = pipeline.Timeline.from_ranks(results, m)
-    assert len(timeline.events) == 2 * p * m and 0 <= timeline.bubble < 1
+    timeline = Timeline.merge(r["timeline"] for r in results)
+    assert len(timeline.spans) == 2 * p * m and timeline.lanes == tuple(range(p)) and 0 <= timeline.idle < 1
+    assert pipeline.peak_in_flight(timeline) == peaks  # the recorded spans say what the stages counted
 
 
 def test_1f1b_holds_fewer_activation_bytes_than_gpipe(cluster):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from llmlab import dist
+from llmlab.dist import Grid
 from llmlab.parallel import tensor as tp
 
 
@@ -15,10 +16,8 @@ def cluster():
 
 
 def _group(world):
-    import torch.distributed as td
-
-    group = td.new_group(list(range(world)))
-    return (group if td.get_rank() < world else None), td.get_rank()
+    grid = Grid(tp=world, ranks=range(world))  # every rank takes part in creating the groups
+    return (grid.tp_group, grid.tp_rank) if grid.member else (None, None)
 
 
 def _linears(world):

@@ -10,7 +10,15 @@ import torch.nn as nn
 from torch.ao.quantization import MinMaxObserver, PerChannelMinMaxObserver
 
 from llmlab.model import GPT, GPTConfig
-from llmlab.quant import LSQQuantizer, MinMaxQuantizer, QConfig, QuantLinear, quantize_model, train_losses
+from llmlab.quant import (
+    LSQQuantizer,
+    MinMaxQuantizer,
+    QConfig,
+    QuantLinear,
+    held_out_loss,
+    quantize_model,
+    train_losses,
+)
 
 U = 2.0**-24  # fp32 unit roundoff
 
@@ -178,10 +186,16 @@ def test_w4a8_tiny_gpt_trains_about_as_well_as_fp32(one_thread):
     w4a8 = QConfig(activation=MinMaxQuantizer(bits=8), weight=LSQQuantizer(bits=4))
     fp32 = train_losses(None, steps=100, batch_size=8, block_size=32)
     quantized = train_losses(w4a8, steps=100, batch_size=8, block_size=32)
-    final = lambda losses: sum(losses[-10:]) / 10  # noqa: E731  fresh batches every step: a held-out loss
+    final = held_out_loss  # the last 10 steps' mean: fresh batches every step, so a held-out loss
     print(f"W4A8 loss {final(quantized):.3f} vs fp32 {final(fp32):.3f} after 100 steps")
     assert quantized[0] > math.log(64) - 0.1
     assert final(quantized) < 1.6 and final(quantized) - final(fp32) < 0.15
+
+
+def test_held_out_loss_is_the_mean_of_the_last_ten():
+    assert held_out_loss([9.0] * 5 + [float(i) for i in range(10)]) == 4.5
+    with pytest.raises(ValueError, match="losses has 9 values; a held-out loss averages the last 10"):
+        held_out_loss([1.0] * 9)
 
 
 def test_bench_quant_reports_kernels_then_qat_step_time_and_loss_gap(one_thread):

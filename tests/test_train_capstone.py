@@ -8,14 +8,16 @@ The multi-rank runs call `run_rank` on every rank of one `dist.spawn` per world 
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
 
 from llmlab import dist
+from llmlab.model import GPTConfig
 from llmlab.train import state as state_file
-from llmlab.train.capstone import RunConfig, check, launch, main, run_rank
+from llmlab.train.capstone import RULES, RunConfig, build_parser, check, launch, main, run_rank
+from llmlab.train.capstone.config import Setup
 
 BASE = RunConfig(steps=4, batch_size=8, block_size=32)  # the tiny GPT on 8×32 tokens: ~0.1 s an update
 STOP = 2  # where the save/resume runs stop and save
@@ -197,10 +199,12 @@ def test_truncated_rank_file_is_refused(singles, saves, tmp_path, one_thread):
         launch(replace(BASE, resume=str(cut)))
 
 
-@pytest.mark.parametrize("config, world, message", [
+# One case per row of the composition table config.RULES, in its order: (config, world size, the message).
+RULE_CASES = [
     (replace(BASE, tp=2), 3, "--tp 2 does not divide the world size 3"),
     (replace(BASE, tp=8), 8, "--tp 8 does not divide the tiny model's n_head=4"),
     (BASE, 3, "data-parallel size 3 .* does not divide the batch size 8"),
+    (replace(BASE, stop_at=5), 1, "--stop-at 5 is past --steps 4"),
     (replace(BASE, zero=3), 1, "--zero 3 shards over data-parallel ranks: it needs a data-parallel size >= 2"),
     (replace(BASE, zero=1, tp=2), 4, "--zero 1 with --tp 2"),
     (replace(BASE, zero=2, precision="fp16"), 2, "--zero 2 with --precision fp16"),
@@ -211,15 +215,46 @@ def test_truncated_rank_file_is_refused(singles, saves, tmp_path, one_thread):
     (replace(BASE, lora=4, quant="w4a8"), 1, "--lora with --quant"),
     (replace(BASE, moe=4, checkpoint=True), 1, "--moe with --checkpoint"),
     (replace(BASE, moe=1), 1, "--moe 1"),
-    (replace(BASE, stop_at=5), 1, "--stop-at 5 is past --steps 4"),
+]
+FLAG_CASES = [  # one flag alone, from its field's metadata (low, choices)
     (replace(BASE, accum=0), 1, "--accum 0 must be an int >= 1"),
-    (replace(BASE, quant="int3"), 1, "--quant 'int3'"),
-])
+    (replace(BASE, seed=-1), 1, "--seed -1 must be an int >= 0"),
+    (replace(BASE, quant="int3"), 1, "--quant 'int3': choose from"),
+    (replace(BASE, zero=4), 1, r"--zero 4: choose from \(0, 1, 2, 3\)"),
+    (replace(BASE, steps=True), 1, "--steps True must be an int >= 1"),
+]
+
+
+@pytest.mark.parametrize("config, world, message", RULE_CASES + FLAG_CASES)
 def test_bad_combinations_fail_fast(config, world, message):
     with pytest.raises(ValueError, match=message):
         check(config, world)
     with pytest.raises(ValueError, match=message):  # launch checks before spawning: no rank starts
         launch(replace(config, nproc=world))
+
+
+def test_each_row_of_the_rule_table_refuses_with_its_own_message():
+    assert len(RULE_CASES) == len(RULES)
+    for row, (config, world, _) in enumerate(RULE_CASES):
+        train = config.train_config()
+        setup = Setup(config, train, GPTConfig.preset(train.model, block_size=train.block_size), world)
+        holding = [i for i, rule in enumerate(RULES) if rule.refused(setup)]
+        assert holding[0] == row, (row, holding)  # the row this case is for is the first that refuses it
+        with pytest.raises(ValueError) as refused:
+            check(config, world)
+        assert str(refused.value) == RULES[row].message.format(**setup.names())
+
+
+def test_every_flag_comes_from_a_runconfig_field():
+    actions = {a.dest: a for a in build_parser()._actions if a.dest != "help"}
+    assert list(actions) == [f.name for f in fields(RunConfig)]
+    for f in fields(RunConfig):
+        action = actions[f.name]
+        assert action.option_strings == ["--" + f.name.replace("_", "-")]
+        assert action.default == f.default and action.help == f.metadata["help"]
+    assert RunConfig.from_args(build_parser().parse_args([])) == RunConfig()
+    assert set(RunConfig().flags()) == {f.name for f in fields(RunConfig)} - {"nproc", "save", "resume", "stop_at",
+                                                                              "timeout"}
 
 
 def test_nproc_under_torchrun_is_refused(monkeypatch, capsys):

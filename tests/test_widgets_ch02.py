@@ -22,7 +22,7 @@ from llmlab.parallel import pipeline  # noqa: E402
 def test_pipeline_schedule_is_the_simulator(schedule, p, m, ratio):
     r = widgets.pipeline_schedule(p, m, schedule, ratio)
     timeline = pipeline.simulate(schedule, p, m, t_forward=1.0, t_backward=ratio)
-    assert r["timeline"] == timeline and r["bubble"] == pytest.approx(timeline.bubble)
+    assert r["timeline"] == timeline and r["bubble"] == pytest.approx(timeline.idle)
     # equal stages: the simulated bubble is the formula, whatever the backward/forward ratio
     assert r["bubble"] == pytest.approx(pipeline.bubble_fraction(p, m)) == pytest.approx(r["formula"])
     assert r["ideal"] == pytest.approx(m * (1 + ratio))

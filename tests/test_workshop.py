@@ -3,7 +3,6 @@
 
 import re
 import shlex
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -43,5 +42,5 @@ def test_the_guide_has_its_commands():
 def test_capstone_commands_are_accepted(command, nodes):
     launcher, flags = command.split("-m llmlab.train")
     args = capstone.build_parser().parse_args(shlex.split(flags))
-    config = capstone.RunConfig(**{f.name: getattr(args, f.name) for f in fields(capstone.RunConfig)})
+    config = capstone.RunConfig.from_args(args)
     capstone.check(config, world_size(shlex.split(launcher), nodes))  # raises ValueError on a bad layout

@@ -18,6 +18,8 @@ what the step held at the end of its forward pass: model state + saved activatio
 the first (the optimizer's moments exist, `zero_grad(set_to_none=False)` keeps the gradients) that is the
 planner's `total - recompute`: with checkpointing, backward briefly adds one block's recomputed activations
 (`Plan.recompute`), which the CPU budget does not see; the CUDA allocator does.
+
+Claim C18 (the remedies' savings are predictable) is measured with this module in `llmlab.claims.ch07`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from llmlab import claims
 from llmlab.memory import checkpoint, measure, planner
 from llmlab.model import GPT, GPTConfig
 
@@ -274,50 +275,3 @@ def measure_config(config: GPTConfig, batch_size: int, budget_bytes: float | Non
     model(x, y)[1].backward()
     opt.step()
     return measure_step(model, opt, x, y, budget_bytes, checkpointing=checkpointing)
-
-
-# --- the material's claim C18 --------------------------------------------------------------------------------
-
-# fp32 AdamW on the CPU, no dropout: the setting both the planner and the measurement use.
-_FP32 = {"precision": "fp32", "optimizer": "adamw", "dtype_bytes": 4}
-# The measured state includes AdamW's step counters (4 bytes per parameter tensor), which the planner leaves out:
-# 4 × 28 tensors = 112 bytes for the tiny GPT, under 0.01% of what it holds; a ZeRO rank's shard adds at most
-# N - 1 padding elements. 0.5% bounds both with room; a wrong term in the planner would be off by far more.
-REL_TOLERANCE = 0.005
-
-
-@claims.register("C18", chapter=7)
-def _claim_remedies_predicted() -> claims.Measurement:
-    from llmlab.memory import zero
-
-    config, B = GPTConfig.preset("tiny"), 16  # measure_zero's preset, so its ZeRO ranks train this very GPT
-    base = planner.plan(config, B, **_FP32)
-    budget = math.floor(0.8 * forward_bytes(base))  # 20% short: an OOM the planner must predict
-    ranked = remedies(config, B, budget, zero_ranks=2, **_FP32)
-    oom_seen = not measure_config(config, B, budget).ok
-    measured = {"none": measure_config(config, B)}  # unbudgeted: what the step holds in full
-    predicted_oom = not base.fits(budget)
-    rows, agree = {}, True
-    for r in ranked:
-        if r.name == "ZeRO":  # model state on 2 real ranks (activations unchanged: same micro-batch per rank)
-            z = zero.measure_zero(1, 2, preset="tiny", batch_size=2)
-            got = measured["none"].state_bytes - z["bytes"].total
-            rows[r.name] = got / (base.total - r.plan.total) - 1
-        else:
-            kw = {"checkpointing": True} if r.name == "gradient checkpointing" else {}
-            cfg = replace(config, n_layer=config.n_layer // 2) if r.name == "smaller model" else config
-            batch = B // 2 if r.name in ("smaller batch", "gradient accumulation") else B
-            m = measured.setdefault(r.name, measure_config(cfg, batch, budget, **kw))
-            saving = measured["none"].total - m.total
-            rows[r.name] = saving / (forward_bytes(base) - forward_bytes(r.plan)) - 1
-            agree &= m.ok == r.fits
-        agree &= abs(rows[r.name]) < REL_TOLERANCE
-    holds = predicted_oom and oom_seen and agree
-    return claims.Measurement(
-        value={f"{k} saving measured/predicted - 1": v for k, v in rows.items()}, unit="fraction",
-        text=(f"tiny GPT ({config.n_layer} blocks) B={B}, fp32 AdamW, budget {budget / 1e6:.2f} MB: planner "
-              f"{'predicts' if predicted_oom else 'does not predict'} the OOM, the enforced budget "
-              f"{'raises it' if oom_seen else 'does not'}; remedies by predicted saving: "
-              + ", ".join(f"{r.name} {r.saving / 1e6:.2f} MB ({'fits' if r.fits else 'OOM'}, measured "
-                          f"{rows[r.name]:+.2%})" for r in ranked)),
-        device=claims.here(), verdict="holds" if holds else "wrong")

@@ -22,8 +22,9 @@ tree stops being faster (`cost.crossover_bytes`); the measured crossover is read
     print(llmlab.tables.format_table(run.rows()))
 
 `bench()` is what `llmlab bench allreduce` runs (4 ranks, every default size). Claim C12 (ring bandwidth-
-optimal, tree latency-optimal) is measured here too. On a GPU machine with ≥ 2 GPUs the ranks use NCCL and
-CUDA tensors; on a CPU they are gloo processes, timing loopback TCP and the cores the ranks share.
+optimal, tree latency-optimal) is measured with it in `llmlab.claims.ch04`. On a GPU machine with ≥ 2 GPUs the
+ranks use NCCL and CUDA tensors; on a CPU they are gloo processes, timing loopback TCP and the cores the ranks
+share.
 """
 
 from __future__ import annotations
@@ -35,13 +36,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmlab import claims
 from llmlab.dist import cost
 
 __all__ = ["DEFAULT_SIZES", "CLAIM_SIZES", "IMPLS", "AllReduceRun", "measure", "bench", "recent", "format_bytes"]
 
 DEFAULT_SIZES = tuple(1024 * 4**k for k in range(9))  # 1 KiB, 4 KiB, … 64 MiB
-CLAIM_SIZES = DEFAULT_SIZES[:8]  # up to 16 MiB: past the crossover on gloo, in seconds rather than a minute
+CLAIM_SIZES = DEFAULT_SIZES[:8]  # C12's: up to 16 MiB, past the crossover on gloo, in seconds rather than a minute
 IMPLS = ("ring", "tree", "torch")
 _MODEL = {"ring": "ring_all_reduce", "tree": "tree_all_reduce", "torch": "ring_all_reduce"}  # gloo's is a ring
 _MAX_CALLS = 64  # back-to-back calls in one timed run, at most
@@ -253,38 +253,3 @@ def recent(world_size: int = 4) -> AllReduceRun | None:
 def bench(sizes=None, world_size: int = 4, repeats: int = 5) -> list[dict]:
     """`llmlab bench allreduce`: `measure(...)` on `world_size` ranks (every DEFAULT_SIZES), as table rows."""
     return measure(DEFAULT_SIZES if sizes is None else sizes, world_size, repeats=repeats).rows()
-
-
-@claims.register("C12", chapter=4)
-def _claim_ring_bandwidth_tree_latency() -> claims.Measurement:
-    run = recent(4)
-    if run is None or run.sizes[0] > 4096 or run.sizes[-1] < CLAIM_SIZES[-1]:  # not one spanning small to large
-        run = measure(CLAIM_SIZES, world_size=4)
-    small, large = run.faster(0), run.faster(-1)
-    lo, hi = format_bytes(run.sizes[0]), format_bytes(run.sizes[-1])
-    link, measured, predicted = run.link_fit(), run.crossover(), run.predicted_crossover()
-    ring_vs_torch = run.seconds["torch"][-1] / run.seconds["ring"][-1]  # busbw ratio = inverse time ratio
-    if measured is not None:
-        where = f"crossover measured at {format_bytes(measured)}, the α-β model predicts {format_bytes(predicted)}"
-    else:
-        where = f"no crossover between {lo} and {hi} (the model predicts {format_bytes(predicted)})"
-    order = small == "tree" and large == "ring"
-    close = measured is not None and predicted > 0 and 1 / 3 <= measured / predicted <= 3
-    shared = (f"{run.world_size} ranks sharing this machine's cores and one loopback stack are not the separate "
-              "links the model assumes")
-    if not order:
-        why = f"; here the {small} won at {lo} and the {large} at {hi}: {shared}"
-    elif not close:
-        why = f"; the one-link model misplaces the crossover: {shared}"
-    else:
-        why = ""
-    return claims.Measurement(
-        value={"crossover measured (B)": measured if measured is not None else math.nan,
-               "crossover predicted (B)": predicted, "alpha (s)": link.alpha, "beta (s/B)": link.beta,
-               "ring busbw / torch busbw at the largest size": ring_vs_torch},
-        unit="bytes, s, s/B, ×",
-        text=(f"{run.world_size} {run.backend} ranks, {lo}–{hi}: tree faster at {lo}? "
-              f"{'yes' if small == 'tree' else 'no'}; ring faster at {hi}? {'yes' if large == 'ring' else 'no'}; "
-              f"fitted α = {link.alpha * 1e6:.3g} µs, 1/β = {(1 / link.beta if link.beta else math.inf) / 1e9:.3g} "
-              f"GB/s; {where}; ring busbw = {ring_vs_torch:.2f}× torch's at {hi}{why}"),
-        device=claims.here(), verdict="holds" if order and close else "holds with conditions")

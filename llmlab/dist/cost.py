@@ -40,12 +40,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from llmlab import claims
-
 __all__ = ["Link", "LINKS", "Fit", "COLLECTIVES", "collective_time", "ring_allreduce_time", "tree_allreduce_time",
            "reduce_scatter_time", "all_gather_time", "all_to_all_time", "broadcast_time", "algorithm_bandwidth",
-           "bus_bandwidth", "fit_alpha_beta", "crossover_bytes", "link_times", "C15_STEP",
-           "gradient_allreduce_times"]
+           "bus_bandwidth", "fit_alpha_beta", "crossover_bytes", "link_times", "NODE_LINKS", "NETWORK_LINKS",
+           "C15_STEP", "gradient_allreduce_times"]
 
 
 def _log2(n: int) -> int:
@@ -209,6 +207,8 @@ LINKS = {
     "ib_ndr400": Link(2.7e-6, 1 / 50e9, "400 Gb/s InfiniBand NDR",
                       "400 Gb/s = 50 GB/s per direction (NVIDIA ConnectX-7); " + _NCCL_LAT + " (network)"),
 }
+NODE_LINKS = ("nvlink4", "nvlink3", "pcie5", "pcie4")  # the LINKS inside one node, fastest first
+NETWORK_LINKS = ("rdma100", "rdma200", "ib_ndr400")  # the LINKS between nodes, slowest first
 
 
 def link_times(nbytes, n: int, collective: str = "ring_all_reduce", links=None) -> dict[str, float]:
@@ -217,15 +217,13 @@ def link_times(nbytes, n: int, collective: str = "ring_all_reduce", links=None) 
             for key, link in (links or LINKS).items()}
 
 
-# --- C15: the material's network advice (§5.2), priced by the model ---------------------------------------------
+# --- C15: the material's network advice (§5.2), priced by the model in llmlab.claims.ch05 -----------------------
 
 # The step C15 is priced on: a 7B-parameter model's bf16 gradients, all-reduced by a flat ring every step, on one
 # 8-GPU node (NVLink or PCIe) and across 8 such nodes with one NIC per GPU (the networks); a step of 2^20 tokens
 # computed by H100s at 40% MFU (chapter 1) is what the all-reduce could hide behind.
 C15_STEP = {"n_params": 7e9, "bytes_per_param": 2, "node_gpus": 8, "cluster_gpus": 64, "tokens": 2**20,
             "gpu": "H100 SXM", "mfu": 0.4}
-_NODE_LINKS = ("nvlink4", "nvlink3", "pcie5", "pcie4")
-_NETWORK_LINKS = ("rdma100", "rdma200", "ib_ndr400")
 
 
 def gradient_allreduce_times(n_params: float, n: int, bytes_per_param: int = 2, links=None) -> dict[str, float]:
@@ -235,38 +233,3 @@ def gradient_allreduce_times(n_params: float, n: int, bytes_per_param: int = 2, 
             or bytes_per_param < 1:
         raise ValueError(f"n_params={n_params!r} must be > 0 and bytes_per_param={bytes_per_param!r} an int >= 1")
     return link_times(n_params * bytes_per_param, n, "ring_all_reduce", links)
-
-
-@claims.register("C15", chapter=5)
-def _claim_network_advice() -> claims.Measurement:
-    from llmlab import flops
-    from llmlab.hardware import SPECS
-
-    s = C15_STEP
-    node = gradient_allreduce_times(s["n_params"], s["node_gpus"], s["bytes_per_param"])
-    network = gradient_allreduce_times(s["n_params"], s["cluster_gpus"], s["bytes_per_param"])
-    compute = flops.training_flops(s["n_params"], s["tokens"]) / (
-        s["cluster_gpus"] * SPECS[s["gpu"]].peak_flops("bf16") * s["mfu"])  # seconds of one step's compute
-    nvlink_first = all(node["nvlink4"] < node[k] for k in _NODE_LINKS[2:]) and node["nvlink4"] < min(
-        network[k] for k in _NETWORK_LINKS)
-    floor_hides = network["rdma100"] <= compute
-    hiding = [LINKS[k].name for k in _NETWORK_LINKS if network[k] <= compute]
-    verdict = "holds" if nvlink_first and floor_hides else "holds with conditions" if nvlink_first else "wrong"
-    ms = lambda t: f"{t * 1e3:.3g} ms" if t < 1 else f"{t:.3g} s"
-    return claims.Measurement(
-        value={**{f"{k} ({s['node_gpus']} GPUs)": node[k] for k in _NODE_LINKS},
-               **{f"{k} ({s['cluster_gpus']} GPUs)": network[k] for k in _NETWORK_LINKS},
-               "compute per step (s)": compute},
-        unit="s",
-        text=(f"ring all-reduce of a {s['n_params'] / 1e9:g}B model's bf16 gradients "
-              f"({s['n_params'] * s['bytes_per_param'] / 1e9:g} GB) per step, α-β model: in one {s['node_gpus']}-GPU "
-              f"node " + ", ".join(f"{LINKS[k].name} {ms(node[k])}" for k in _NODE_LINKS)
-              + f"; across {s['cluster_gpus']} GPUs, one NIC each: "
-              + ", ".join(f"{LINKS[k].name} {ms(network[k])}" for k in _NETWORK_LINKS)
-              + f". A {s['tokens'] / 2**20:g}M-token step computes in {ms(compute)} on {s['cluster_gpus']} "
-              f"{s['gpu']} at {s['mfu']:.0%} MFU. NVLink 4 beats PCIe 4 by {node['pcie4'] / node['nvlink4']:.0f}× "
-              f"and 100 Gb/s by {network['rdma100'] / node['nvlink4']:.0f}×; "
-              + ("100 Gb/s hides behind the compute" if floor_hides else
-                 f"100 Gb/s cannot hide behind the compute ({ms(network['rdma100'])} > {ms(compute)}); "
-                 + (f"only {', '.join(hiding)} can" if hiding else "no network here can"))),
-        device="computed", verdict=verdict)

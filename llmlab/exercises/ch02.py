@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import random
 
+from llmlab import dist
 from llmlab.exercises import checks
 from llmlab.exercises.checks import Mismatch, assert_close, check, fresh_rng
 
@@ -52,16 +53,11 @@ _groups: dict = {}  # on a rank: partition -> (this rank's process group, the gl
 
 
 def _my_group(partition):
-    """This rank's group of `partition`, created once per rank process (every rank creates every group)."""
-    import torch.distributed as td
-
+    """This rank's group of `partition`: one dist.Grid per part, built once per rank process by every rank."""
     if partition not in _groups:
-        mine = None
-        for ranks in partition:
-            group = td.new_group(list(ranks))  # collective: all ranks call it, in the same order
-            if td.get_rank() in ranks:
-                mine = (group, list(ranks))
-        _groups[partition] = mine
+        grids = [dist.Grid(dp=len(ranks), ranks=ranks) for ranks in partition]  # every part's, on every rank
+        mine = next(grid for grid in grids if grid.member)
+        _groups[partition] = (mine.dp_group, list(mine.dp_ranks))
     return _groups[partition]
 
 

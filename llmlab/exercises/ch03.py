@@ -31,6 +31,7 @@ import dataclasses
 import math
 import random
 
+from llmlab import dist
 from llmlab.exercises import checks
 from llmlab.exercises.checks import Mismatch, assert_close, check, fresh_rng
 
@@ -47,7 +48,7 @@ MAX_BYTES_RATIO = 0.35
 # size, while truncated codes (≈ 5×) or a missing offset are outside (and caught by the round trip first).
 GRAD_ERROR_FACTOR = 4.0
 
-_groups: dict = {}  # on the ranks: world size -> its process group (None on ranks outside it)
+_groups: dict = {}  # on the ranks: world size -> the dist.Grid of ranks 0 … world-1
 
 
 
@@ -120,12 +121,10 @@ def _batch(case: _ZeroCase, step: int):
 
 
 def _group(world: int):
-    """On a rank: the group of ranks 0 … world-1 (created once, by every rank), None outside it."""
-    import torch.distributed as td
-
+    """On a rank: the group of ranks 0 … world-1 (its dist.Grid built once, by every rank), None outside it."""
     if world not in _groups:
-        _groups[world] = td.new_group(list(range(world)))  # collective: all ranks, in the same order
-    return _groups[world] if td.get_rank() < world else None
+        _groups[world] = dist.Grid(dp=world, ranks=range(world))
+    return _groups[world].dp_group if _groups[world].member else None
 
 
 def _zero1_on_rank(fn, cases):

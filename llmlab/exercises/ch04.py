@@ -32,6 +32,7 @@ import math
 import random
 import re
 
+from llmlab import dist
 from llmlab.exercises import checks
 from llmlab.exercises.checks import Mismatch, assert_close, check, fresh_rng
 
@@ -40,7 +41,7 @@ __all__ = ["ring_reduce_scatter", "ring_all_gather", "accumulate", "ring_time", 
 
 WORLD_SIZES = (2, 3, 4, 5)
 TIMEOUT_S = 30.0  # the reference answers all cases in well under a second; more means a rank is stuck
-_groups: dict = {}  # on the ranks: world size → its process group (None: the default group)
+_groups: dict = {}  # on the ranks: world size → the dist.Grid of ranks 0 … n-1
 
 
 
@@ -57,11 +58,10 @@ class LearnerError(RuntimeError):
 
 def _group(n: int):
     """On a rank: (is this rank in the world of size n, its process group)."""
-    import torch.distributed as td
-
-    if not _groups:  # every rank creates every subgroup once, in the same order
-        _groups.update({k: td.new_group(list(range(k))) if k < td.get_world_size() else None for k in WORLD_SIZES})
-    return td.get_rank() < n, _groups[n]
+    if not _groups:  # every rank builds every grid once, in the same order
+        _groups.update({k: dist.Grid(dp=k, ranks=range(k)) for k in WORLD_SIZES})
+    grid = _groups[n]
+    return grid.member, grid.dp_group if grid.member else None
 
 
 def _on_ranks(body, fn, cases, what: str) -> list[list]:

@@ -6,14 +6,14 @@
     | MI250| 45.3 | 128GB | 3277GB/s | 800GB/s |
 
 `check_table()` compares each cell with the spec-sheet rows the model name could mean and says what is
-right, wrong or misleading about it; the chapter shows the result next to the spec sheet.
+right, wrong or misleading about it; the chapter shows the result next to the spec sheet, and claim C14
+(`llmlab.claims.ch05`) counts its verdicts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmlab import claims
 from llmlab.hardware.specs import SPECS
 
 __all__ = ["MATERIAL_TABLE", "COLUMNS", "Cell", "check_table"]
@@ -71,14 +71,3 @@ def check_table() -> list[Cell]:
                  Cell(c.gpu, c.column, c.material, c.matches, "misleading",
                       c.note + f"; this row mixes {' and '.join(cards)}") for c in cells]
     return cells
-
-
-@claims.register("C14", chapter=5)
-def _claim_gpu_table() -> claims.Measurement:
-    cells = check_table()
-    counts = {v: sum(c.verdict == v for c in cells) for v in ("right", "misleading", "wrong")}
-    flagged = [f"{c.gpu} {c.column} {c.material:g}: {c.note}" for c in cells if c.verdict != "right"]
-    return claims.Measurement(
-        value=counts, unit="cells",
-        text=f"{counts['right']} of {len(cells)} cells right as printed; " + "; ".join(flagged),
-        device="computed", verdict="wrong" if counts["wrong"] else "misleading" if counts["misleading"] else "holds")

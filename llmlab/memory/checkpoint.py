@@ -32,16 +32,14 @@ outside autograd's saved tensors.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack, contextmanager
 
 import torch
 
-from llmlab import claims
 from llmlab.timing import compare
 
-__all__ = ["checkpoint", "checkpoint_sequential", "checkpointed", "segment_sweep", "bench"]
+__all__ = ["checkpoint", "checkpoint_sequential", "checkpointed", "segment_sweep", "bench_every_block", "bench"]
 
 
 class _Checkpoint(torch.autograd.Function):
@@ -154,7 +152,7 @@ def checkpointed(modules: Iterable[torch.nn.Module], using: Callable = checkpoin
                 m.forward = previous
 
 
-# --- measured: saved bytes vs segments, step time (`llmlab bench checkpoint`), the material's claim C9 -------
+# --- measured: saved bytes vs segments, step time (`llmlab bench checkpoint`; claim C9, llmlab.claims.ch03) ---
 
 def _torch_checkpoint() -> Callable:
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
@@ -214,7 +212,11 @@ def _gpt_steps(preset: str | None, batch_size: int | None):
     return device, f"{preset or p.model} GPT ({model.config.n_layer} blocks) B={B} T={T}", step
 
 
-def _every_block(preset: str | None, batch_size: int | None, repeats: int) -> list[dict]:
+def bench_every_block(preset: str | None = None, batch_size: int | None = None, repeats: int = 5) -> list[dict]:
+    """Every block of a GPT `preset` (this tier's model, device and batch size by default) checkpointed, against
+    no checkpointing and against torch.utils.checkpoint: a row per peer with the step times and their ratio
+    (`llmlab.timing.compare`, `repeats` times each) and the saved-activation MB of both. The first row also has
+    `forward_share`: a forward alone over a forward + backward, what one more forward costs in steps."""
     device, size, step = _gpt_steps(preset, batch_size)
     rows = []
     for peer, using in (("no checkpointing", None), ("torch.utils.checkpoint", _torch_checkpoint())):
@@ -230,31 +232,9 @@ def _every_block(preset: str | None, batch_size: int | None, repeats: int) -> li
 def bench(preset: str | None = None, batch_size: int | None = None, repeats: int = 5) -> list[dict]:
     """Step time and saved bytes with every block checkpointed, vs no checkpointing and vs
     torch.utils.checkpoint (non-reentrant); then saved bytes vs number of segments (`segment_sweep`)."""
-    rows = _every_block(preset, batch_size, repeats)
+    rows = bench_every_block(preset, batch_size, repeats)
     for r in segment_sweep():
         rows.append({"impl": f"checkpoint_sequential k={r['segments']}", "peer": "Chen et al. count",
                      "size": "16 tiny blocks B=4 T=64", "saved_MB": r["saved_bytes"] / 1e6,
                      "peer_saved_MB": r["predicted_bytes"] / 1e6, "ratio": r["saved_bytes"] / r["predicted_bytes"]})
     return rows
-
-
-@claims.register("C9", chapter=3)
-def _claim_checkpoint_overhead() -> claims.Measurement:
-    r = _every_block(None, None, repeats=5)[0]
-    overhead, reduction = r["ratio"] - 1, 1 - r["saved_MB"] / r["peer_saved_MB"]
-    n = 16
-    plain, sqrt_n = segment_sweep(segments=(1, math.isqrt(n)), n_layer=n, batch_size=2)
-    counted = all(row["saved_bytes"] == row["predicted_bytes"] for row in (plain, sqrt_n))
-    # One extra forward costs forward / (forward + backward) of a step: 1/3 when backward = 2 forwards, as FLOPs
-    # say (4ND vs 2ND). Measured within 20–50%, that holds; outside, the measured forward share says why.
-    holds = 0.20 <= overhead <= 0.50 and counted
-    why = "" if holds else ": the overhead follows this machine's forward/backward times, not the FLOP count"
-    return claims.Measurement(
-        value={"step-time overhead": overhead, "saved-activation reduction": reduction,
-               "sqrt(n) segments / none": sqrt_n["saved_bytes"] / plain["saved_bytes"]}, unit="fraction",
-        text=(f"checkpointing every block of the {r['size']}: step {r['ratio']:.2f}× ({overhead:+.0%}; a forward "
-              f"alone is {r['forward_share']:.0%} of a step here){why}; saved activations "
-              f"{r['peer_saved_MB']:.2f} → {r['saved_MB']:.2f} MB (−{reduction:.0%}). {n} blocks in "
-              f"√{n} = {sqrt_n['segments']} segments keep {sqrt_n['saved_bytes'] / plain['saved_bytes']:.0%} of the "
-              f"bytes, {'equal to' if counted else 'unlike'} Chen et al.'s count"),
-        device=claims.here(), verdict="holds" if holds else "holds with conditions")

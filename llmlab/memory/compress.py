@@ -35,7 +35,6 @@ from dataclasses import dataclass
 
 import torch
 
-from llmlab import claims
 from llmlab.memory import measure
 from llmlab.timing import compare
 
@@ -190,7 +189,7 @@ def compressed_activations(bits: int = 8, group_size: int = 128) -> CompressedAc
     return CompressedActivations(bits, group_size)
 
 
-# --- measured: bytes, loss curves, time (`llmlab bench compress`), and the material's claim C11 -------------
+# --- measured: bytes, loss curves, time (`llmlab bench compress`; claim C11 uses them, llmlab.claims.ch03) ---
 
 def _tiny_batch(dtype: torch.dtype, batch_size: int, seq_len: int, device):
     from llmlab.data import MarkovSource, SyntheticDataset
@@ -263,23 +262,3 @@ def bench(batch_size: int | None = None, repeats: int = 5) -> list[dict]:
                      "size": f"tiny B={B} T=64", **r, "saved_MB": b["compressed"] / 1e6,
                      "peer_saved_MB": b["uncompressed"] / 1e6, "bytes_ratio": b["compressed"] / b["uncompressed"]})
     return rows
-
-
-@claims.register("C11", chapter=3)
-def _claim_75_percent() -> claims.Measurement:
-    cut = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        b = saved_bytes(dtype)
-        cut[name] = 1 - b["compressed"] / b["uncompressed"]
-    curves = loss_curves(steps=30)
-    final = {k: sum(v[-5:]) / 5 for k, v in curves.items()}
-    # 8 bits of 32 is -75% before the scales; of 16 bits, -50% at most. "Holds" needs >= 70% in both cases.
-    verdict = ("holds" if min(cut.values()) >= 0.70 else "holds with conditions" if cut["fp32"] >= 0.70
-               else "wrong")
-    return claims.Measurement(
-        value={"vs fp32": cut["fp32"], "vs bf16": cut["bf16"],
-               "loss change": final["compressed"] - final["uncompressed"]}, unit="fraction of saved bytes",
-        text=(f"tiny GPT, 8-bit codes + fp32 min/step per 128 values: saved activations −{cut['fp32']:.1%} vs "
-              f"fp32, −{cut['bf16']:.1%} vs bf16; after 30 training steps the loss is {final['compressed']:.3f} "
-              f"vs {final['uncompressed']:.3f} uncompressed"),
-        device=claims.here(), verdict=verdict)

@@ -29,6 +29,8 @@ the embedding and head; `activation_bytes` sums them; with checkpointing each bl
 
 Not modelled: temporaries of the backward pass (activation gradients live one layer at a time), the
 allocator's fragmentation and caching, communication buffers, and the CUDA context (≈ 0.5 GB).
+
+Claim C10 (the ZeRO paper's figures) is checked against this planner in `llmlab.claims.ch03`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from llmlab import claims
 from llmlab.model import GPTConfig
 
 __all__ = ["OPTIMIZER_STATES", "PRECISIONS", "ZERO_PAPER_EXAMPLE", "state_bytes_per_param", "model_state_bytes",
@@ -240,37 +241,3 @@ def plan(config: GPTConfig, batch_size: int, seq_len: int | None = None, *, stag
     return Plan(params=state["params"], grads=state["grads"], optimizer_state=state["optimizer_state"],
                 activations=activations, recompute=block if checkpointing else 0,
                 logits=logits if with_logits else 0)
-
-
-def _measured_tiny_state() -> tuple[int, float]:
-    """(measured, planned) bytes of the tiny GPT's model state after one fp32 AdamW step."""
-    import torch
-
-    from llmlab.memory import measure
-    from llmlab.model import GPT
-
-    config = GPTConfig.preset("tiny")
-    model = GPT(config)
-    opt = torch.optim.AdamW(model.parameters())
-    model(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long))[1].backward()
-    opt.step()
-    planned = model_state_bytes(num_params(config), 0, 1, optimizer="adamw", precision="fp32")
-    return measure.model_state_bytes(model, opt).total, planned
-
-
-@claims.register("C10", chapter=3)
-def _claim_zero_figures() -> claims.Measurement:
-    ex = ZERO_PAPER_EXAMPLE
-    planned = [model_state_bytes(ex["num_params"], s, ex["world_size"]) / 1e9 for s in range(4)]
-    # The paper prints one decimal: agreement is |planned - paper| < 0.05 GB for every stage.
-    agrees = all(abs(a - b) < 0.05 for a, b in zip(planned, ex["gb"], strict=True))
-    measured, tiny = _measured_tiny_state()
-    # Measured includes AdamW's step counters (4 bytes per parameter tensor), which the formula leaves out.
-    close = abs(measured / tiny - 1) < 0.01
-    return claims.Measurement(
-        value={**{f"ZeRO-{s}" if s else "DP": g for s, g in enumerate(planned)}, "tiny measured/planned":
-               measured / tiny}, unit="GB per GPU",
-        text=(f"planner for Ψ={ex['num_params'] / 1e9:g}B, N={ex['world_size']}: "
-              + " / ".join(f"{g:.4g}" for g in planned) + " GB (paper: " + " / ".join(f"{g:g}" for g in ex["gb"])
-              + f"); the tiny GPT's fp32 AdamW state measured {measured / tiny - 1:+.2%} vs the formula"),
-        device=claims.here(), verdict="holds" if agrees and close else "wrong")

@@ -53,9 +53,14 @@ One step at each stage:
         zero(x, y)[1].backward()                            # gradients now reduce-scattered into shards
         zero.step(); zero.zero_grad()
         zero.state_bytes()                                  # measured: .params .grads .optimizer_state .total
+        saved = zero.state_dict()                           # this rank's shards; later, on any number of ranks:
+        zero.load_state_dict(every_ranks_saved)             # joined per unit and cut for this world (re-sharded)
 
 `measure_zero(stage, world_size)` runs this on fresh ranks and compares the bytes per rank with
 `planner.model_state_bytes` and the CommLog bytes per step with 2Ψ/3Ψ; `llmlab bench zero` prints the table.
+
+(Over 400 lines, on purpose: the stages share one set of units, hooks and shard-wise save/resume, read best in one
+place; the measurement at the end is the ~80 lines that check it against the paper.)
 """
 
 from __future__ import annotations
@@ -63,7 +68,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as td
 
+from llmlab import dist
+from llmlab.data import MarkovSource, SyntheticDataset
+from llmlab.dist.commlog import CommLog
+from llmlab.dist.grid import Grid
 from llmlab.memory import measure, planner
+from llmlab.model import GPT, GPTConfig
 from llmlab.parallel.data import DataParallel, buckets
 
 __all__ = ["ZeRO", "measure_zero", "bench"]
@@ -281,6 +291,69 @@ class ZeRO(torch.nn.Module):
             grads=measure.tensor_bytes(grads),
             optimizer_state=measure.tensor_bytes([t for u in self.units for t in (u.exp_avg, u.exp_avg_sq)]))
 
+    # -- save and resume ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's training state (not nn.Module's state_dict: stage 3 holds no full parameters): the update
+        count `step`, `lr`, and per unit `numel` Ψ_u and this rank's (S_u,) slices of the parameters (`shard`) and
+        of AdamW's moments; stage 0 instead its full `params` and torch AdamW's state. Copies, with the `stage`,
+        `world_size` and `rank` they were cut for. Parameters outside ZeRO (frozen ones) are the model's to save."""
+        out = dict(stage=self.stage, world_size=self.world_size, rank=self.rank, lr=self.lr)
+        if self.stage == 0:
+            return dict(out, params=[p.detach().clone() for p in self.params], optimizer=self.optimizer.state_dict())
+        return dict(out, step=self._step, units=[dict(numel=u.numel, shard=u.shard.clone(), exp_avg=u.exp_avg.clone(),
+                                                      exp_avg_sq=u.exp_avg_sq.clone()) for u in self.units])
+
+    @torch.no_grad()
+    def load_state_dict(self, state) -> None:
+        """Continue from `state_dict()`: this rank's own (the same world size and rank: bit-exact), or a list of
+        every saved rank's in rank order, from any data-parallel size: each unit joined whole (Ψ_u) and cut into
+        this world's shards. All ranks call it (stages 1–2 all-gather the parameters). ValueError if the states
+        do not fit this ZeRO (another stage, other units, missing or misordered ranks)."""
+        own = not isinstance(state, list | tuple)
+        states = self._check_states([state] if own else list(state), own)
+        self.lr = states[0]["lr"]
+        if self.stage == 0:  # full replicas: any rank's state is every rank's
+            for p, saved in zip(self.params, states[0]["params"], strict=True):
+                p.copy_(saved)
+            self.optimizer.load_state_dict(states[0]["optimizer"])
+            return
+        for i, u in enumerate(self.units):
+            for key in ("shard", "exp_avg", "exp_avg_sq"):
+                if own:  # this rank's slice, cut for this world already
+                    mine = state["units"][i][key]
+                else:
+                    whole = torch.cat([s["units"][i][key] for s in states])[:u.numel]  # (Ψ_u,) every saved slice
+                    whole = torch.cat([whole, whole.new_zeros(u.padding)])  # (P_u,) padded for this world size
+                    mine = whole[self.rank * u.shard_numel:(self.rank + 1) * u.shard_numel]  # (S_u,)
+                if mine.shape != u.shard.shape:
+                    raise ValueError(f"the saved {key} of unit {i} has shape {tuple(mine.shape)}, this rank's is "
+                                     f"{tuple(u.shard.shape)}")
+                getattr(u, key).copy_(mine)
+            if self.stage < 3:
+                _all_gather(u.full, u.shard.clone(), self.group)  # (P_u,); the parameters are views of it
+        self._step = states[0]["step"]
+
+    def _check_states(self, states: list, own: bool) -> list[dict]:
+        keys = {"stage", "world_size", "rank", "lr"}
+        keys |= {"params", "optimizer"} if self.stage == 0 else {"step", "units"}
+        for i, s in enumerate(states):
+            if not isinstance(s, dict) or not keys <= set(s):
+                got = sorted(s) if isinstance(s, dict) else type(s).__name__
+                raise ValueError(f"state[{i}] is not a ZeRO state_dict() (it has {got})")
+            if s["stage"] != self.stage:
+                raise ValueError(f"state[{i}] was saved at ZeRO stage {s['stage']}, this ZeRO is stage {self.stage}")
+        n, ranks = states[0]["world_size"], [s["rank"] for s in states]
+        if not own and ranks != list(range(n)):
+            raise ValueError(f"state must list every saved rank's state_dict in rank order: saved on {n} ranks, "
+                             f"given ranks {ranks}")
+        if own and (n, ranks[0]) != (self.world_size, self.rank):
+            raise ValueError(f"state was saved by rank {ranks[0]} of {n}, this is rank {self.rank} of "
+                             f"{self.world_size}: give every saved rank's state_dict (a list) to re-shard")
+        if self.stage > 0 and [u["numel"] for u in states[0]["units"]] != [u.numel for u in self.units]:
+            raise ValueError(f"the saved units hold {[u['numel'] for u in states[0]['units']]} parameters, this "
+                             f"ZeRO's {[u.numel for u in self.units]}: another model or other units")
+        return states
+
     def full_parameters(self) -> list[torch.Tensor]:
         """Copies of the full parameters, in the order of model.parameters() (stage 3 gathers: all ranks call)."""
         for u in self.units:
@@ -316,16 +389,12 @@ def _layers(model, params, units) -> list[tuple[list, torch.nn.Module]]:
 # --- measured: bytes per rank and bytes sent per step, against the paper's formulas ----------------------------
 
 def _measure_rank(stage: int, world: int, preset: str, steps: int, batch_size: int) -> dict | None:
-    from llmlab.data import MarkovSource, SyntheticDataset
-    from llmlab.dist import CommLog
-    from llmlab.model import GPT, GPTConfig
-
-    group = td.new_group(list(range(world)))  # every rank of the cluster takes part in creating it
-    if td.get_rank() >= world:
+    grid = Grid(dp=world, ranks=range(world))  # every rank of the cluster takes part in creating the groups
+    if not grid.member:
         return None
     torch.manual_seed(0)
     config = GPTConfig.preset(preset)
-    zero = ZeRO(GPT(config), stage, group=group)  # fp32: the planner's precision="fp32"
+    zero = ZeRO(GPT(config), stage, group=grid.dp_group)  # fp32: the planner's precision="fp32"
     materialised = []  # stage 3: bytes of parameter storage alive when each unit's forward starts
 
     def record(*_):
@@ -334,7 +403,7 @@ def _measure_rank(stage: int, world: int, preset: str, steps: int, batch_size: i
     for u in zero.units if stage == 3 else ():
         u.module.register_forward_pre_hook(record)  # runs after ZeRO's own pre-hook: the unit is gathered
     data = SyntheticDataset(MarkovSource(config.vocab_size), batch_size=batch_size, block_size=config.block_size,
-                            rank=td.get_rank(group), world_size=world)
+                            rank=grid.dp_rank, world_size=world)
     for s in range(steps):
         zero.zero_grad()
         with CommLog() as log:
@@ -358,8 +427,6 @@ def measure_zero(stage: int, world_size: int, *, preset: str = "tiny", steps: in
     - `peak_param_bytes` (stage 3): parameter storage alive at the start of a layer's forward, the shards
       included, vs `full_param_bytes` = 4Ψ.
     """
-    from llmlab import dist
-
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be an int >= 1")
     if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
@@ -383,8 +450,6 @@ def measure_zero(stage: int, world_size: int, *, preset: str = "tiny", steps: in
 
 def bench(world_sizes=(2, 4)) -> list[dict]:
     """`llmlab bench zero`: bytes per rank and bytes sent per step, measured vs the ZeRO paper's formulas."""
-    from llmlab import dist
-
     rows = []
     with dist.Cluster(max(world_sizes)) as cluster:
         for n in world_sizes:

@@ -1,5 +1,6 @@
 """Training: LR schedules (`schedule`), gradient clipping (`clip`), the Trainer (`trainer`) and its state files
-(`state`). See each module's docstring; the Trainer's is the place to start.
+(`state`), and the capstone command `llmlab train` (`capstone`, a package composing the workbook's parts on the
+Trainer). See each module's docstring; the Trainer's is the place to start.
 
     from llmlab.train import Trainer, TrainConfig
     Trainer(config=TrainConfig.preset("tiny", steps=50)).fit()

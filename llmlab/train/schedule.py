@@ -21,14 +21,13 @@ so update 0 already learns and update warmup-1 is the first at the full LR, stil
     schedule.lr(0), schedule.lr(19), schedule.lr(199)                               # 5e-05, 1e-3, 1e-4
     torch.optim.lr_scheduler.LambdaLR(opt, schedule)                                # multiplier lr(s)/base_lr
 
-Run the tests: `.venv/bin/pytest tests/test_train_schedule.py`.
+Run the tests: `.venv/bin/pytest tests/test_train_schedule.py`. Claim C16 (the material's warmup wastes update 0)
+is measured in `llmlab.claims.ch06`.
 """
 
 from __future__ import annotations
 
 import math
-
-from llmlab import claims
 
 __all__ = ["DECAYS", "WARMUP_FORMULAS", "warmup_cosine_lr", "material_warmup_lr", "LRSchedule"]
 
@@ -114,46 +113,3 @@ class LRSchedule:
 
     def __repr__(self) -> str:
         return "LRSchedule(" + ", ".join(f"{k}={v!r}" for k, v in self.state_dict().items()) + ")"
-
-
-# --- C16: the material's warmup wastes update 0; training with and without warmup ------------------------------
-
-def _c16_run(warmup: int, warmup_formula: str) -> tuple[float, float]:
-    """Train the tiny GPT briefly; return (how far update 0 moved the weights, the final loss)."""
-    from llmlab.train.trainer import TrainConfig, Trainer
-
-    config = TrainConfig.preset("tiny", steps=30, batch_size=8, block_size=16, lr=1e-2, warmup=warmup,
-                                warmup_formula=warmup_formula, min_lr=1e-3, seed=0)
-    trainer = Trainer(config=config, progress=False)
-    before = [p.detach().clone() for p in trainer.model.parameters()]
-    trainer.step()
-    moved = max((p.detach() - b).abs().max().item() for p, b in zip(trainer.model.parameters(), before,
-                                                                         strict=True))
-    trainer.fit()
-    return moved, sum(h["loss"] for h in trainer.history[-5:]) / 5  # mean of the last 5: less batch noise
-
-
-@claims.register("C16", chapter=6)
-def _claim_warmup() -> claims.Measurement:
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: a second thread only adds spinning (tests/conftest.py one_thread)
-    try:
-        runs = {name: _c16_run(warmup, formula) for name, warmup, formula in
-                (("material", 10, "material"), ("shifted", 10, "shifted"), ("none", 0, "shifted"))}
-    finally:
-        torch.set_num_threads(threads)
-    wasted = runs["material"][0] == 0.0 and runs["shifted"][0] > 0.0
-    return claims.Measurement(
-        value={"update 0 moved weights by (material)": runs["material"][0],
-               "update 0 moved weights by (ours)": runs["shifted"][0],
-               "final loss, material warmup": runs["material"][1], "final loss, our warmup": runs["shifted"][1],
-               "final loss, no warmup": runs["none"][1]},
-        unit="max |Δw|, nats",
-        text=(f"with base_lr·min(step/warmup, 1) update 0 has LR 0 and moves no weight (max |Δw| = "
-              f"{runs['material'][0]:g}); with (step+1)/warmup it moves them by {runs['shifted'][0]:.2g}. "
-              f"Tiny GPT, 30 AdamW steps at peak LR 1e-2, warmup 10 then cosine: final loss "
-              f"{runs['material'][1]:.3f} (material), {runs['shifted'][1]:.3f} (ours), "
-              f"{runs['none'][1]:.3f} without warmup"),
-        device=claims.here(), verdict="holds with conditions" if wasted else "holds")

@@ -22,9 +22,11 @@ rank 0 only. Metrics: loss (mean over micro-batches and ranks), lr, grad_norm (b
 step_time_s, loss_scale (fp16 only), skipped (1.0 when an fp16 overflow skipped the update).
 
 What to override to compose other parts (the capstone): `build_model`, `build_dataset`, `wrap_model`,
-`build_optimizer`,
-`build_schedule`, `loss` (e.g. add an MoE balance loss) and `clip` (e.g. a norm over sharded gradients); or
-pass `model`, `dataset` and `optimizer` (an optimizer, or a function params -> optimizer) in.
+`build_optimizer`, `build_schedule`, `loss` (e.g. add an MoE balance loss), `clip` (e.g. a norm over sharded
+gradients) and `model_state` / `load_model_state` (when a wrapper holds some parameters); or pass `model`,
+`dataset` and `optimizer` (an optimizer, or a function params -> optimizer) in. `state_dict()` /
+`load_state_dict()` are the one save/resume path: `save`/`load_state` write and read them as one file, the
+capstone as one file per rank.
 
 Run the tests: `.venv/bin/pytest tests/test_train_trainer.py`.
 """
@@ -37,8 +39,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as td
+from tqdm.auto import tqdm
 
 from llmlab import runtime
+from llmlab.data import MarkovSource, SyntheticDataset
+from llmlab.model import GPT, PRESETS, GPTConfig
+from llmlab.parallel.data import DataParallel
 from llmlab.precision import PRECISIONS, DynamicLossScaler, autocast
 from llmlab.presets import from_preset
 from llmlab.train import state as state_file
@@ -70,8 +76,6 @@ class TrainConfig:
     log_interval: int = 1
 
     def __post_init__(self):
-        from llmlab.model import PRESETS
-
         if self.model not in PRESETS:
             raise ValueError(f"model={self.model!r} is not a GPTConfig preset; choose from {list(PRESETS)}")
         for name, minimum in (("steps", 1), ("batch_size", 1), ("block_size", 1), ("warmup", 0),
@@ -154,8 +158,6 @@ class Trainer:
     # --- factories: override to compose other parts ------------------------------------------------------
 
     def build_model(self) -> torch.nn.Module:
-        from llmlab.model import GPT, GPTConfig
-
         return GPT(GPTConfig.preset(self.config.model, block_size=self.config.block_size))
 
     def wrap_model(self) -> torch.nn.Module:
@@ -163,13 +165,9 @@ class Trainer:
         wrap it otherwise, e.g. in ZeRO; a wrapper without `no_sync` then communicates every micro-batch)."""
         if not self.data_parallel:
             return self.module
-        from llmlab.parallel.data import DataParallel
-
         return DataParallel(self.module, group=self.group)
 
     def build_dataset(self):
-        from llmlab.data import MarkovSource, SyntheticDataset
-
         vocab = self.module.config.vocab_size
         return SyntheticDataset(MarkovSource(vocab, seed=self.config.seed), self.config.batch_size,
                                 self.config.block_size, seed=self.config.seed, rank=self.rank,
@@ -255,8 +253,6 @@ class Trainer:
         if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= remaining:
             raise ValueError(f"steps={steps!r} must be an int in [0, {remaining}] (config.steps="
                              f"{self.config.steps}, {self.step_count} done)")
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=self.config.steps, initial=self.step_count, desc="train", unit="step",
                    disable=not self.progress or self.rank != 0)
         with bar:
@@ -276,20 +272,36 @@ class Trainer:
                     parameters={n: list(p.shape) for n, p in self.module.named_parameters()},
                     schedule=self.schedule.state_dict())
 
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs: identity (config, model shape, schedule), update count, model,
+        optimizer, loss scaler, RNG and data positions, history. What `save` writes."""
+        return dict(identity=self._identity(), step=self.step_count, model=self.model_state(),
+                    optimizer=self.optimizer.state_dict(), scaler=self.scaler.state_dict() if self.scaler else None,
+                    rng=state_file.rng_state(), data=self.dataset.state_dict(), history=self.history)
+
+    def model_state(self) -> dict:
+        """The model's part of `state_dict()` (override when another part, e.g. ZeRO's shards, holds some)."""
+        return self.module.state_dict()
+
+    def load_model_state(self, state: dict) -> None:
+        """Load `model_state()`'s dict into the model."""
+        self.module.load_state_dict(state)
+
     def save(self, path) -> None:
         """Write the whole training state to `path` atomically (on rank 0; every rank waits for it)."""
         if self.rank == 0:
-            state_file.write_state(path, dict(
-                identity=self._identity(), step=self.step_count, model=self.module.state_dict(),
-                optimizer=self.optimizer.state_dict(), scaler=self.scaler.state_dict() if self.scaler else None,
-                rng=state_file.rng_state(), data=self.dataset.state_dict(), history=self.history))
+            state_file.write_state(path, self.state_dict())
         if self.data_parallel:
             td.barrier(group=self.group)
 
     def load_state(self, path) -> None:
         """Continue from `save(path)`: refuses (ValueError) a truncated or corrupt file, or one saved by a run
         with another config, model shape or schedule."""
-        saved = state_file.read_state(path)
+        self.load_state_dict(state_file.read_state(path), source=path)
+
+    def load_state_dict(self, saved: dict, source="the saved state") -> None:
+        """Continue from `state_dict()`'s `saved` (read from `source`, named in errors): refuses (ValueError) one
+        saved by a run with another config, model shape or schedule, then restores every part of it."""
         mine = self._identity()
         for key, label in (("config", "TrainConfig"), ("model_config", "model config"),
                            ("parameters", "parameter names/shapes"), ("schedule", "LR schedule")):
@@ -302,9 +314,9 @@ class Trainer:
                               if (theirs or {}).get(k) != (ours or {}).get(k))
                 shown = ", ".join(f"{k}: saved {(theirs or {}).get(k)!r}, here {(ours or {}).get(k)!r}"
                                   for k in diff[:4])
-                raise ValueError(f"{path} was saved by a run with a different {label} ({shown}); "
+                raise ValueError(f"{source} was saved by a run with a different {label} ({shown}); "
                                  "build the trainer with the saved run's settings to resume it")
-        self.module.load_state_dict(saved["model"])
+        self.load_model_state(saved["model"])
         self.optimizer.load_state_dict(saved["optimizer"])
         if self.scaler:
             self.scaler.load_state_dict(saved["scaler"])

@@ -5,6 +5,9 @@ chapter uses: the controls, a result line and (optionally) a plot, recomputed wh
 display that also carries the current result as static output (plain text and a PNG) next to the widget view.
 JupyterLab shows the live widget; a headless run, nbconvert or a rendered page without widget state shows the
 static result instead. ipywidgets is imported only when an explorer is built, never by `import llmlab`.
+
+`result_explorer(controls, current, describe, draw)` is the usual case: one result computed from the controls,
+shown as a line of text and a figure.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import io
 import math
 from collections.abc import Callable
 
-__all__ = ["png", "explorer", "gpu_spec", "si", "count", "ibytes", "choices"]
+__all__ = ["png", "explorer", "result_explorer", "gpu_spec", "si", "count", "ibytes", "choices"]
 
 
 def png(fig) -> bytes:
@@ -82,6 +85,22 @@ def explorer(controls: dict, render: Callable, *, layout=None, plot: bool = True
     else:
         box._static = lambda: {"text/plain": state["text"]}
     return box
+
+
+def result_explorer(controls: dict, current: Callable[[], object], describe: Callable[[object], str],
+                    draw: Callable | None = None, *, on_release: bool = False, **kwargs):
+    """`explorer` over one result: `current()` computes it from the controls, `describe(result)` is the text and
+    `draw(result)` the figure (None: text only). `on_release`: sliders recompute once released, not while dragged
+    (for a result that takes a while). Other keywords go to `explorer`; the caller keeps `current` to expose it."""
+    if on_release:
+        for c in controls.values():
+            c.continuous_update = False
+
+    def render(change):
+        result = current()
+        return describe(result), None if draw is None else draw(result)
+
+    return explorer(controls, render, plot=draw is not None, **kwargs)
 
 
 def gpu_spec(gpu: str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from llmlab.widgets.base import choices, explorer, ibytes, si
+from llmlab.widgets.base import choices, ibytes, result_explorer, si
 
 __all__ = ["allreduce_cost", "format_allreduce_cost", "allreduce_cost_figure", "allreduce_cost_explorer"]
 
@@ -114,10 +114,6 @@ def allreduce_cost_explorer(n: int = 8, nbytes: float = 256 * 2**20, link: str =
         v = {name: c.value for name, c in controls.items()}
         return allreduce_cost(v["n"], v["nbytes"], v["link"], v["alpha"], links)
 
-    def render(change):
-        r = current()
-        return format_allreduce_cost(r), allreduce_cost_figure(r, measured)
-
     def link_changed(change, update) -> None:
         own = table[change["new"]].alpha
         if controls["alpha"].value == own:
@@ -125,6 +121,7 @@ def allreduce_cost_explorer(n: int = 8, nbytes: float = 256 * 2**20, link: str =
         else:
             controls["alpha"].value = own  # the new link's own α; moving the slider updates the result
 
-    box = explorer(controls, render, handlers={"link": link_changed})
+    box = result_explorer(controls, current, format_allreduce_cost, lambda r: allreduce_cost_figure(r, measured),
+                          handlers={"link": link_changed})
     box.cost = current
     return box

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from llmlab import flops
 from llmlab.hardware import SPECS, roofline
-from llmlab.widgets.base import choices, count, explorer, gpu_spec, si
+from llmlab.widgets.base import choices, count, gpu_spec, result_explorer, si
 
 __all__ = ["training_estimate", "format_estimate", "gemm_roofline", "format_roofline", "roofline_figure",
            "training_time_calculator", "roofline_explorer", "PRECISIONS", "DTYPES"]
@@ -117,15 +117,12 @@ def training_time_calculator(n_params: float = 175e9, tokens: float = 300e9, gpu
                              style=style, layout=layout),
     }
 
-    def values() -> dict:
-        return {name: c.value for name, c in controls.items()}
-
-    def render(change) -> tuple[str, None]:
-        return format_estimate(training_estimate(**values())), None
+    def current() -> dict:
+        return training_estimate(**{name: c.value for name, c in controls.items()})
 
     # e.g. fp32 on a spec without that figure: say so instead of raising
-    box = explorer(controls, render, plot=False, refused="cannot estimate (days unknown)")
-    box.estimate = lambda: training_estimate(**values())
+    box = result_explorer(controls, current, format_estimate, refused="cannot estimate (days unknown)")
+    box.estimate = current
     return box
 
 
@@ -176,11 +173,8 @@ def roofline_explorer(m: int = 512, n: int = 2304, k: int = 768, dtype: str = "b
         peak, bandwidth = roof(v["gpu"], precision)
         return gemm_roofline(v["m"], v["n"], v["k"], nbytes, peak, bandwidth), v["gpu"]
 
-    def render(change):
-        r, device = current()
-        return format_roofline(r, device), roofline_figure(r, device)
-
     layout = [w.HBox([w.VBox([controls[d] for d in "mnk"]), w.VBox([controls["dtype"], controls["gpu"]])])]
-    box = explorer(controls, render, layout=layout)
+    box = result_explorer(controls, current, lambda r: format_roofline(*r), lambda r: roofline_figure(*r),
+                          layout=layout)
     box.roofline = lambda: current()[0]
     return box

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from llmlab.widgets.base import explorer
+from llmlab.widgets.base import result_explorer
 
 __all__ = ["MOE_CAPACITY_FACTORS", "moe_routing", "format_moe_routing", "moe_routing_figure", "moe_routing_explorer",
             "tiny_gpt_weight", "quant_grid", "format_quant_grid", "quant_grid_figure", "quant_explorer"]
@@ -125,19 +125,14 @@ def moe_routing_explorer(num_experts: int = 8, k: int = 2, capacity_factor: floa
         "skew": w.FloatSlider(value=skew, min=0.0, max=4.0, step=0.25, description="router skew", style=style,
                               layout=layout),
     }
-    for c in controls.values():
-        c.continuous_update = False  # one redraw when the slider is released
+
     def current() -> dict:
         v = {name: c.value for name, c in controls.items()}
         v["k"] = min(v["k"], v["num_experts"])  # k > E is no routing at all: take every expert
         v["capacity_factor"] = labels[v["capacity_factor"]]
         return moe_routing(**v, tokens=tokens)
 
-    def render(change):
-        r = current()
-        return format_moe_routing(r), moe_routing_figure(r)
-
-    box = explorer(controls, render)
+    box = result_explorer(controls, current, format_moe_routing, moe_routing_figure, on_release=True)
     box.routing = current
     return box
 
@@ -311,14 +306,9 @@ def quant_explorer(bits: int = 4, signed: bool = True, step: float | None = None
         "step": w.FloatLogSlider(**step_slider(first), base=10, step=0.01, readout_format=".3g",
                                  description="step s", style=style, layout=layout),
     }
-    for c in (controls["bits"], controls["step"]):
-        c.continuous_update = False  # one redraw when the slider is released
+
     def current() -> dict:
         return quant_grid(controls["bits"].value, controls["signed"].value, float(controls["step"].value), weights)
-
-    def render(change):
-        r = current()
-        return format_quant_grid(r), quant_grid_figure(r)
 
     def regrid(change, update) -> None:  # a new grid starts at LSQ's step
         fresh = quant_grid(controls["bits"].value, controls["signed"].value, None, weights)
@@ -329,6 +319,7 @@ def quant_explorer(bits: int = 4, signed: bool = True, step: float | None = None
         else:
             slider.value = fresh["step"]  # its observer redraws
 
-    box = explorer(controls, render, handlers={"bits": regrid, "signed": regrid})
+    box = result_explorer(controls, current, format_quant_grid, quant_grid_figure, on_release=True,
+                          handlers={"bits": regrid, "signed": regrid})
     box.grid = current
     return box

@@ -13,7 +13,7 @@ imported only when one of these runs.
 from __future__ import annotations
 
 from llmlab.hardware import SPECS
-from llmlab.widgets.base import choices, count, explorer, si
+from llmlab.widgets.base import choices, count, result_explorer, si
 from llmlab.widgets.memory import MEMORY_MODELS, memory_model_config
 
 __all__ = ["STEP_PARTS", "CALCULATOR_FIELDS", "cluster_models", "cluster_estimate", "format_cluster_estimate",
@@ -99,14 +99,13 @@ def _stacked(labels: list[str], steps: list, height: float, left: float):
     STEP_PARTS order, the legend under the axis; `left` is the margin for the bar labels (a fraction)."""
     from matplotlib.figure import Figure
 
+    from llmlab import plots  # pyplot loads with it: only when a figure is drawn, not on `import llmlab.widgets`
+
     fig = Figure(figsize=(8, height))  # fixed margins: a layout engine would double the drawing time
     fig.subplots_adjust(left=left, right=0.97, bottom=0.85 / height, top=1 - 0.35 / height)
     ax = fig.add_subplot()
-    ends = [0.0] * len(steps)
-    for name, color in STEP_PARTS.items():
-        widths = [t.parts()[name] for t in steps]
-        ax.barh(labels, widths, left=ends, color=color, label=name)
-        ends = [a + w for a, w in zip(ends, widths, strict=True)]
+    plots.stacked_bars(ax, labels, {name: [t.parts()[name] for t in steps] for name in STEP_PARTS}, horizontal=True,
+                       colors=list(STEP_PARTS.values()))
     ax.invert_yaxis()
     ax.set_xlabel("seconds per optimizer step (nothing overlapped)")
     fig.legend(*ax.get_legend_handles_labels(), fontsize=7, ncol=len(STEP_PARTS), loc="lower center")
@@ -200,10 +199,6 @@ def cluster_calculator(preset: str = "gpt3-175b-1024xA100", model: str | None = 
         v = {name: c.value for name, c in controls.items()}
         return cluster_estimate(v.pop("preset"), **v)
 
-    def render(change):
-        r = current()
-        return r["summary"], cluster_step_figure(r)
-
     def follow(change, update) -> None:
         if not loading[0]:
             update()
@@ -221,7 +216,8 @@ def cluster_calculator(preset: str = "gpt3-175b-1024xA100", model: str | None = 
 
     handlers = {name: follow for name in controls} | {"preset": preset_chosen}
     columns = list(controls.values())
-    box = explorer(controls, render, handlers=handlers, refused="cannot lay out this cluster",
-                   layout=[w.HBox([w.VBox(columns[:6]), w.VBox(columns[6:])])])
+    box = result_explorer(controls, current, lambda r: r["summary"], cluster_step_figure, handlers=handlers,
+                          refused="cannot lay out this cluster",
+                          layout=[w.HBox([w.VBox(columns[:6]), w.VBox(columns[6:])])])
     box.estimate = current
     return box

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from llmlab import flops
 from llmlab.hardware import SPECS
-from llmlab.widgets.base import count, explorer, gpu_spec
+from llmlab.widgets.base import count, gpu_spec, result_explorer
 
 __all__ = ["MEMORY_MODELS", "memory_model_config", "MEMORY_CATEGORIES", "memory_plan", "format_memory_plan",
            "memory_plan_figure", "memory_planner"]
@@ -90,20 +90,21 @@ def memory_plan_figure(r: dict):
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
+    from llmlab import plots  # pyplot loads with it: only when a figure is drawn, not on `import llmlab.widgets`
+
     fig = Figure(figsize=(7.5, 3.2))  # fixed margins: a layout engine would double the drawing time
     fig.subplots_adjust(left=0.14, right=0.98, bottom=0.33, top=0.88)
     ax = fig.add_subplot()
-    stages = list(r["by_stage"])
-    left = [0.0] * len(stages)
-    for i, key in enumerate(MEMORY_CATEGORIES):
-        widths = [r["by_stage"][s].breakdown()[key] / 1e9 for s in stages]
-        bars = ax.barh([f"ZeRO-{s}" if s else "ZeRO-0 (DP)" for s in stages], widths, left=left, color=f"C{i}")
-        for s, bar in zip(stages, bars, strict=True):
+    plans = r["by_stage"]
+    bars = plots.stacked_bars(ax, [f"ZeRO-{s}" if s else "ZeRO-0 (DP)" for s in plans],
+                              {key: [p.breakdown()[key] / 1e9 for p in plans.values()] for key in MEMORY_CATEGORIES},
+                              horizontal=True, colors=[f"C{i}" for i in range(len(MEMORY_CATEGORIES))])
+    for part in bars.values():
+        for s, bar in zip(plans, part, strict=True):
             bar.set_alpha(1.0 if s == r["stage"] else 0.3)
-        left = [a + w for a, w in zip(left, widths, strict=True)]
     ax.axvline(r["memory"] / 1e9, color="k", ls="--", lw=1)
     ax.invert_yaxis()
-    ax.set_xlim(0, max(max(left), r["memory"] / 1e9) * 1.08)
+    ax.set_xlim(0, max(max(p.total for p in plans.values()) / 1e9, r["memory"] / 1e9) * 1.08)
     ax.set_xlabel("GB per GPU (1 GB = 1e9 bytes)")
     verdict = "fits" if r["fits"] else "does not fit"
     ax.set_title(f"{r['model']}, ZeRO-{r['stage']} × {r['data']}, t = {r['tensor']}: {_gb(r['total'])} per GPU, "
@@ -153,16 +154,13 @@ def memory_planner(model: str = "GPT-3 6.7B", batch_size: int = 1, seq_len: int 
         "checkpointing": w.Checkbox(value=checkpointing, description="checkpoint every block", style=style),
         "gpu": w.Dropdown(options=list(SPECS), value=gpu, description="GPU", style=style, layout=layout),
     }
-    for c in controls.values():
-        c.continuous_update = False  # one redraw when a slider is released
+
     def current() -> dict:
         values = {name: c.value for name, c in controls.items()}
         return memory_plan(**{**values, "seq_len": values["seq_len"] or None})
 
-    def render(change):  # e.g. tensor=2 with 25 heads is refused: say so, keep the last figure
-        r = current()
-        return format_memory_plan(r), memory_plan_figure(r)
-
-    box = explorer(controls, render, refused="cannot plan this configuration")
+    # e.g. tensor=2 with 25 heads is refused: say so, keep the last figure
+    box = result_explorer(controls, current, format_memory_plan, memory_plan_figure, on_release=True,
+                          refused="cannot plan this configuration")
     box.plan = current
     return box

@@ -1,14 +1,15 @@
 """Chapter 2's explorers (parallelism, mixed precision): the pipeline schedule and the fp16 loss-scale explorer.
 
-The arithmetic is llmlab.parallel.pipeline's (simulate, bubble_fraction, plot_timeline) and llmlab.precision's
-(representation); torch is imported only when one of these runs.
+The arithmetic is llmlab.parallel.pipeline's (simulate, bubble_fraction, peak_in_flight) and llmlab.precision's
+(representation), the timeline is drawn by llmlab.plots.plot_timeline; torch and matplotlib are imported only when
+one of these runs.
 """
 
 from __future__ import annotations
 
 import math
 
-from llmlab.widgets.base import explorer
+from llmlab.widgets.base import explorer, result_explorer
 
 __all__ = ["PIPELINE_SCHEDULES", "pipeline_schedule", "format_pipeline", "pipeline_figure", "pipeline_explorer",
             "FP16_SUBNORMAL_MIN", "FP16_NORMAL_MIN", "FP16_MAX", "format_representation", "tiny_gpt_gradient",
@@ -25,7 +26,7 @@ def pipeline_schedule(stages: int = 4, micro_batches: int = 8, schedule: str = "
     """`schedule` ('gpipe' or '1f1b') simulated on `stages` stages with `micro_batches` micro-batches, a forward
     taking 1 time unit and a backward `backward_ratio` units (`llmlab.parallel.pipeline.simulate`).
 
-    Returns a dict: timeline (a pipeline.Timeline), bubble (the idle share measured on it), formula
+    Returns a dict: timeline (an llmlab.timeline.Timeline), bubble (the idle share measured on it), formula
     ((p−1)/(m+p−1)), makespan, ideal (m·(1 + backward_ratio): one stage's work with no bubble), peak_in_flight
     (per stage: the most micro-batches whose activations it holds at once), and the inputs.
     """
@@ -33,9 +34,9 @@ def pipeline_schedule(stages: int = 4, micro_batches: int = 8, schedule: str = "
 
     timeline = pipeline.simulate(schedule, stages, micro_batches, t_forward=1.0, t_backward=backward_ratio)
     return {"stages": stages, "micro_batches": micro_batches, "schedule": schedule, "backward_ratio": backward_ratio,
-            "timeline": timeline, "bubble": timeline.bubble, "formula": pipeline.bubble_fraction(stages, micro_batches),
+            "timeline": timeline, "bubble": timeline.idle, "formula": pipeline.bubble_fraction(stages, micro_batches),
             "makespan": timeline.makespan, "ideal": micro_batches * (1.0 + backward_ratio),
-            "peak_in_flight": [timeline.peak_in_flight(s) for s in range(stages)]}
+            "peak_in_flight": pipeline.peak_in_flight(timeline)}
 
 
 def format_pipeline(r: dict) -> str:
@@ -49,20 +50,19 @@ def format_pipeline(r: dict) -> str:
 
 
 def pipeline_figure(r: dict):
-    """A matplotlib Figure (not attached to pyplot) of `r`'s timeline, drawn by pipeline.plot_timeline."""
+    """A matplotlib Figure (not attached to pyplot) of `r`'s timeline, drawn by plots.plot_timeline."""
     from matplotlib.figure import Figure
 
-    from llmlab.parallel import pipeline
+    from llmlab import plots  # pyplot loads with it: only when a figure is drawn, not on `import llmlab.widgets`
 
     height = 1.2 + 0.35 * r["stages"]  # inches: room for the title and the time axis, then a row per stage
     fig = Figure(figsize=(8, height))  # fixed margins: a layout engine would double the drawing time
     fig.subplots_adjust(left=0.1, right=0.98, bottom=0.5 / height, top=1 - 0.35 / height)
     ax = fig.add_subplot()
     name = {"1f1b": "1F1B", "gpipe": "GPipe"}[r["schedule"]]
-    pipeline.plot_timeline(r["timeline"], ax=ax, title=f"{name}: bubble {r['bubble']:.0%} (formula "
-                           f"{r['formula']:.0%}); blue forward, orange backward, numbers = micro-batch")
+    plots.plot_timeline(r["timeline"], ax=ax, xlabel="time (forward = 1)", title=f"{name}: bubble {r['bubble']:.0%} "
+                        f"(formula {r['formula']:.0%}); blue forward, orange backward, numbers = micro-batch")
     ax.title.set_fontsize(9)
-    ax.set_xlabel("time (forward = 1)")
     return fig
 
 
@@ -88,17 +88,11 @@ def pipeline_explorer(stages: int = 4, micro_batches: int = 8, schedule: str = "
         "backward_ratio": w.FloatSlider(value=backward_ratio, min=0.5, max=4.0, step=0.25, readout_format=".2f",
                                         description="t_backward / t_forward", style=style, layout=layout),
     }
-    for c in controls.values():
-        c.continuous_update = False  # one redraw when the slider is released
 
     def current() -> dict:
         return pipeline_schedule(**{name: c.value for name, c in controls.items()})
 
-    def render(change):
-        r = current()
-        return format_pipeline(r), pipeline_figure(r)
-
-    box = explorer(controls, render)
+    box = result_explorer(controls, current, format_pipeline, pipeline_figure, on_release=True)
     box.schedule = current
     return box
 

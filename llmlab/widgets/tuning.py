@@ -6,7 +6,7 @@ next to the other warmup formula, so that the material's LR of 0 at update 0 is 
 
 from __future__ import annotations
 
-from llmlab.widgets.base import choices, count, explorer
+from llmlab.widgets.base import choices, count, result_explorer
 
 __all__ = ["WARMUP_FORMULA_TEXT", "warmup_schedule", "format_warmup_schedule", "warmup_schedule_figure",
            "warmup_schedule_explorer"]
@@ -112,10 +112,7 @@ def warmup_schedule_explorer(warmup: int = 20, base_lr: float = 1e-3, min_lr: fl
     def current() -> dict:
         return warmup_schedule(**{name: c.value for name, c in controls.items()})
 
-    def render(change):
-        r = current()
-        return format_warmup_schedule(r), warmup_schedule_figure(r)
-
-    box = explorer(controls, render, refused="cannot schedule this")
+    box = result_explorer(controls, current, format_warmup_schedule, warmup_schedule_figure,
+                          refused="cannot schedule this")
     box.schedule = current
     return box

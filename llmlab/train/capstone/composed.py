@@ -1,0 +1,107 @@
+"""`Capstone`: the Trainer with the flags' parts composed in through its override points, on one rank of a
+`llmlab.dist.Grid` (or alone): the model surgery and ZeRO of `parts`, checkpointing and activation compression
+around the loss, the MoE balance loss, clipping by the global norm over shards, and the sharded save folder of
+`saves`. Build it on every rank (`run_rank` does)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as td
+
+from llmlab.memory.checkpoint import checkpointed
+from llmlab.memory.compress import compressed_activations
+from llmlab.memory.zero import ZeRO
+from llmlab.train.capstone import saves
+from llmlab.train.capstone.config import RunConfig, check
+from llmlab.train.capstone.parts import ZeROOptimizer, compose_model, split_gradients
+from llmlab.train.clip import scale_to_norm
+from llmlab.train.trainer import Trainer
+
+__all__ = ["Capstone"]
+
+
+class Capstone(Trainer):
+    """Train per `run` on this rank of `grid` (a llmlab.dist.Grid of dp × tp ranks; None: one process alone)."""
+
+    def __init__(self, run: RunConfig, grid=None, monitor=None):
+        self.run, self.grid = run, grid
+        self.tp = grid.tp if grid is not None else 1
+        self.tp_group = grid.tp_group if self.tp > 1 else None
+        self.global_rank = td.get_rank() if grid is not None else 0
+        world = grid.dp * grid.tp if grid is not None else 1
+        super().__init__(config=check(run, world), monitor=monitor, data_parallel=world // self.tp > 1,
+                         group=grid.dp_group if grid is not None else None, progress=False)
+        self.zero = self.model if run.zero else None
+
+    def build_model(self) -> torch.nn.Module:
+        return compose_model(super().build_model(), self.run, self.tp_group)
+
+    def wrap_model(self) -> torch.nn.Module:
+        if not self.run.zero:
+            return super().wrap_model()
+        c = self.config
+        return ZeRO(self.module, self.run.zero, lr=c.lr, betas=(0.9, 0.95), weight_decay=c.weight_decay,
+                    group=self.group, units=list(self.module.transformer.h) if self.run.zero == 3 else None)
+
+    def build_optimizer(self, params):
+        if self.run.zero:
+            return ZeROOptimizer(self.model)
+        return super().build_optimizer(params)
+
+    def loss(self, x, y):
+        with contextlib.ExitStack() as stack:
+            if self.run.checkpoint:
+                stack.enter_context(checkpointed(self.module.transformer.h))
+            if self.run.compress8:
+                stack.enter_context(compressed_activations(bits=8))
+            loss = self.model(x, y)[1]
+        if self.run.moe:
+            loss = loss + sum(b.mlp.aux for b in self.module.transformer.h)
+        return loss
+
+    def clip(self) -> torch.Tensor:
+        """Global 2-norm over every rank's gradients: shards disjoint across a group (ZeRO's over the
+        data-parallel ranks, the Megatron weights over the tensor-parallel ones) all-reduced as squares,
+        replicated tensors counted once. Clip to grad_clip as `llmlab.train.clip.clip_grad_norm` does; return the
+        norm before clipping."""
+        if self.zero is not None:
+            sharded, replicated, group = self.zero.grad_shards(), [], self.group
+        elif self.tp > 1:
+            (sharded, replicated), group = split_gradients(self.module, self.params), self.tp_group
+        else:
+            sharded, replicated, group = [], [p.grad for p in self.params if p.grad is not None], None
+        square = lambda ts: sum((t.float().pow(2).sum() for t in ts), torch.zeros((), device=self.device))  # noqa: E731
+        shard_sq = square(sharded)
+        if self.zero is not None or self.tp > 1:
+            td.all_reduce(shard_sq, group=group)
+        total = (shard_sq + square(replicated)).sqrt()
+        if self.config.grad_clip is not None:
+            scale_to_norm(sharded + replicated, total, self.config.grad_clip)
+        return total
+
+    # --- sharded save / resume (llmlab.train.capstone.saves) ------------------------------------------------
+
+    def layout(self) -> dict:
+        return dict(world_size=td.get_world_size() if self.grid is not None else 1, dp=self.world_size, tp=self.tp,
+                    zero=self.run.zero)
+
+    def model_state(self) -> dict:
+        """The model's state without ZeRO's parameters (their values live in its shards, saved as optimizer)."""
+        managed = {id(p) for p in self.zero.params} if self.zero is not None else set()
+        return {k: v.detach() for k, v in self.module.state_dict(keep_vars=True).items() if id(v) not in managed}
+
+    def load_model_state(self, state: dict) -> None:
+        _, unexpected = self.module.load_state_dict(state, strict=self.zero is None)
+        if unexpected:
+            raise ValueError(f"unexpected entries {unexpected[:4]} in the saved model state")
+
+    def save(self, path) -> None:
+        """Write DIR/rank{r}.pt on every rank, then DIR/manifest.pt (see llmlab.train.capstone.saves)."""
+        saves.save(self, path)
+
+    def load_state(self, path) -> None:
+        """Continue from `save(path)`: the same layout bit-exactly; another data-parallel size re-shards
+        (data parallel and ZeRO); anything else, or a truncated/mismatched file, is refused (ValueError)."""
+        saves.load(self, path)

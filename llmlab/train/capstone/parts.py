@@ -1,0 +1,92 @@
+"""The parts the capstone's flags compose into the Trainer: model surgery (MoE MLPs, LoRA, fake quantization,
+Megatron blocks), ZeRO driven through the optimizer face the Trainer expects, and which gradients are shards.
+
+    model = compose_model(GPT(config), run, tp_group)      # --moe, --lora, --quant, --tp, in that order
+    optimizer = ZeROOptimizer(zero)                        # --zero: the Trainer sets its LR, steps, saves it
+    sharded, replicated = split_gradients(module, params)  # --tp: the Megatron weights are shards
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmlab.lora import apply_lora
+from llmlab.memory.zero import ZeRO
+from llmlab.moe import MoELayer
+from llmlab.parallel.tensor import ColumnParallelLinear, ParallelBlock, RowParallelLinear
+from llmlab.quant import LSQQuantizer, MinMaxQuantizer, QConfig, quantize_model
+from llmlab.train.capstone.config import RunConfig
+
+__all__ = ["MoEMLP", "compose_model", "ZeROOptimizer", "split_gradients"]
+
+
+class MoEMLP(torch.nn.Module):
+    """A block's MLP slot holding an MoELayer (dropless, top-2); keeps the last forward's aux loss in `aux`."""
+
+    def __init__(self, dim: int, num_experts: int):
+        super().__init__()
+        # dropless: a token's routing does not depend on the other tokens, so data parallel (each rank routing
+        # its own rows) computes what one process computes on the whole batch
+        self.moe = MoELayer(dim, 4 * dim, num_experts, k=2, capacity_factor=None)
+        self.aux = None
+
+    def forward(self, x):
+        y, self.aux = self.moe(x)
+        return y
+
+
+def compose_model(model: torch.nn.Module, run: RunConfig, tp_group=None) -> torch.nn.Module:
+    """The GPT `model` (the same full model on every rank: same seed) with `run`'s parts swapped in, in place:
+    --moe MLPs, --lora on the attention, --quant's fake-quantized linears, then --tp: every block sharded over
+    `tp_group` (its size is `run.tp`)."""
+    blocks = model.transformer.h
+    if run.moe:
+        for block in blocks:
+            block.mlp = MoEMLP(model.config.n_embd, run.moe)
+    if run.lora:
+        apply_lora(model, r=run.lora, alpha=float(run.lora))
+    if run.quant:
+        weight = MinMaxQuantizer(bits=8) if run.quant == "w8a8" else LSQQuantizer(bits=4)
+        quantize_model(model, QConfig(activation=MinMaxQuantizer(bits=8), weight=weight))
+    if run.tp > 1:
+        for i, block in enumerate(blocks):
+            blocks[i] = ParallelBlock(block, tp_group)
+    return model
+
+
+class ZeROOptimizer:
+    """The optimizer face the Trainer drives (param_groups' lr, step, zero_grad, state_dict) of a ZeRO wrapper:
+    ZeRO is its own AdamW on this rank's shards."""
+
+    def __init__(self, zero: ZeRO):
+        if not isinstance(zero, ZeRO):
+            raise ValueError(f"zero must be a llmlab.memory.zero.ZeRO, got {type(zero).__name__}")
+        self.zero, self.param_groups = zero, [{"lr": zero.lr}]
+
+    def step(self) -> None:
+        self.zero.lr = self.param_groups[0]["lr"]
+        self.zero.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero.zero_grad()
+
+    def state_dict(self) -> dict:
+        return self.zero.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        """ZeRO.load_state_dict: this rank's own state, or every saved rank's (a list) to re-shard."""
+        self.zero.load_state_dict(state)
+        self.param_groups[0]["lr"] = self.zero.lr
+
+
+def split_gradients(module: torch.nn.Module, params: list[torch.nn.Parameter]):
+    """(sharded, replicated): the gradients of `params` that are tensor-parallel shards (the Megatron linears'
+    weights, a column-parallel bias), disjoint across the tensor-parallel group, and those every rank holds whole."""
+    sharded = set()
+    for m in module.modules():
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear):
+            sharded.add(m.weight)
+        if isinstance(m, ColumnParallelLinear) and m.bias is not None:
+            sharded.add(m.bias)  # RowParallelLinear's bias is added once, after the sum: replicated
+    grads = [(p in sharded, p.grad) for p in params if p.grad is not None]
+    return [g for s, g in grads if s], [g for s, g in grads if not s]
