@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from llmlab.kernels.interpreter import EMULATE_BF16, bf16_to_fp32, fp32_to_bf16
 
-from llmlab import runtime
+from llmlab import runtime, validation
 from llmlab.timing import compare
 
 __all__ = ["add_kernel", "add", "reference", "bench"]
@@ -84,9 +84,8 @@ def add(x: torch.Tensor, y: torch.Tensor, *, out: torch.Tensor | None = None,
         _check("out", out, x)
         if not out.is_contiguous():
             raise ValueError("out must be contiguous: the kernel writes it as one flat array")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 \
-            or block_size & (block_size - 1):
-        raise ValueError(f"block_size={block_size!r} must be a positive power of two")
+    if validation.positive_int("block_size", block_size, hint="(a power of two)") & (block_size - 1):
+        raise ValueError(f"block_size={block_size!r} must be a power of two")
     x, y = x.contiguous(), y.contiguous()
     if out is None:
         out = torch.empty_like(x)
@@ -117,9 +116,8 @@ def bench(sizes=None, dtype: torch.dtype = torch.float32) -> list[dict]:
     interpreted = runtime.triton_interpreted()
     if sizes is None:
         sizes = (1 << 10, 1 << 14, 1 << 18) if interpreted else (1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 27)
-    for n in sizes:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"sizes={sizes!r}: each size must be a positive int, got {n!r}")
+    for i, n in enumerate(sizes):
+        validation.positive_int(f"sizes[{i}]", n)
     device = runtime.device()
     rows = []
     for n in sizes:

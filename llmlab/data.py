@@ -32,19 +32,11 @@ import math
 import numpy as np
 import torch
 
+from llmlab import validation
+
 __all__ = ["MarkovSource", "RepeatSource", "SyntheticDataset"]
 
 _MAX_CONTEXTS = 1 << 20  # vocab_size**order above this would need too much memory for the chain's table
-
-
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
-
-
-def _non_negative_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}={value!r} must be a non-negative int")
 
 
 def _entropy(p: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -73,14 +65,13 @@ class MarkovSource:
 
     def __init__(self, vocab_size: int, order: int = 1, branching: int = 4, concentration: float = 1.0,
                  seed: int = 0):
-        _positive_int("vocab_size", vocab_size)
-        _positive_int("order", order)
-        _positive_int("branching", branching)
+        validation.positive_int("vocab_size", vocab_size)
+        validation.positive_int("order", order)
+        validation.positive_int("branching", branching)
         if branching > vocab_size:
             raise ValueError(f"branching={branching} must be <= vocab_size={vocab_size}")
-        if not (isinstance(concentration, (int, float)) and concentration > 0):
-            raise ValueError(f"concentration={concentration!r} must be a positive number")
-        _non_negative_int("seed", seed)
+        validation.positive("concentration", concentration)
+        validation.integer("seed", seed, low=0)
         if vocab_size**order > _MAX_CONTEXTS:
             raise ValueError(f"vocab_size**order = {vocab_size}**{order} contexts exceeds {_MAX_CONTEXTS}; "
                              "lower order or vocab_size")
@@ -136,7 +127,7 @@ class MarkovSource:
         H(X_0..X_T) - H(X_0), and H(X_0..X_T) = H(first k tokens) + (T+1-k) · entropy_rate. So it is
         slightly above the entropy rate: the first k-1 predictions see less than a full context.
         """
-        _positive_int("block_size", block_size)
+        validation.positive_int("block_size", block_size)
         V, k = self.vocab_size, self.order
 
         def h_prefix(j: int) -> float:  # entropy of the first j tokens of a stationary sequence
@@ -180,8 +171,8 @@ class RepeatSource:
     kind = "repeat"
 
     def __init__(self, vocab_size: int, period: int = 8):
-        _positive_int("vocab_size", vocab_size)
-        _positive_int("period", period)
+        validation.positive_int("vocab_size", vocab_size)
+        validation.positive_int("period", period)
         self.vocab_size, self.period = vocab_size, period
 
     def entropy_rate(self) -> float:
@@ -190,7 +181,7 @@ class RepeatSource:
 
     def best_loss(self, block_size: int) -> float:
         """(period-1) unpredictable targets out of `block_size`, ln(vocab_size) each."""
-        _positive_int("block_size", block_size)
+        validation.positive_int("block_size", block_size)
         return min(self.period - 1, block_size) * math.log(self.vocab_size) / block_size
 
     def sample(self, u: np.ndarray) -> np.ndarray:
@@ -218,12 +209,11 @@ class SyntheticDataset:
                  world_size: int = 1):
         if not (hasattr(source, "sample") and hasattr(source, "spec")):
             raise ValueError(f"source={source!r} must be a MarkovSource or RepeatSource")
-        _positive_int("batch_size", batch_size)
-        _positive_int("block_size", block_size)
-        _positive_int("world_size", world_size)
-        _non_negative_int("seed", seed)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank!r} must be an int in [0, world_size={world_size})")
+        validation.positive_int("batch_size", batch_size)
+        validation.positive_int("block_size", block_size)
+        validation.positive_int("world_size", world_size)
+        validation.integer("seed", seed, low=0)
+        validation.integer("rank", rank, 0, world_size - 1, hint=f"(world_size={world_size})")
         if batch_size % world_size:
             raise ValueError(f"world_size={world_size} does not divide batch_size={batch_size}")
         self.source, self.batch_size, self.block_size = source, batch_size, block_size
@@ -241,7 +231,7 @@ class SyntheticDataset:
 
     def get_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's (x, y) for `step`: x (B/N, T) tokens, y (B/N, T) the token after each one."""
-        _non_negative_int("step", step)
+        validation.integer("step", step, low=0)
         length = self.block_size + 1
         u = np.stack([np.random.default_rng([self.seed, step, i]).random(length) for i in self.rows()])
         data = torch.from_numpy(self.source.sample(u))  # (B/N, T+1)
@@ -269,5 +259,5 @@ class SyntheticDataset:
             if state[key] != mine:
                 raise ValueError(f"state[{key!r}]={state[key]!r} does not match this dataset's {mine!r}")
         for key in ("seed", "position"):
-            _non_negative_int(f"state[{key!r}]", state[key])
+            validation.integer(f"state[{key!r}]", state[key], low=0)
         self.seed, self.position = state["seed"], state["position"]

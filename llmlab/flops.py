@@ -19,13 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmlab import validation
+
 SECONDS_PER_DAY = 86_400.0
-
-
-def _positive(**values) -> None:
-    for name, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
-            raise ValueError(f"{name}={v!r} must be a positive number")
 
 
 @dataclass(frozen=True)
@@ -46,7 +42,8 @@ class Matmul:
 def forward_matmuls(config, batch_size: int, seq_len: int | None = None) -> list[Matmul]:
     """Every matmul of one GPT forward pass (llmlab.model's architecture) on a (batch_size, seq_len) batch."""
     seq_len = config.block_size if seq_len is None else seq_len
-    _positive(batch_size=batch_size, seq_len=seq_len)
+    validation.positive_int("batch_size", batch_size)
+    validation.positive_int("seq_len", seq_len)
     B, T, C, L, H, V = batch_size, seq_len, config.n_embd, config.n_layer, config.n_head, config.vocab_size
     hd = C // H
     return [
@@ -71,27 +68,35 @@ def training_step_flops(config, batch_size: int, seq_len: int | None = None, rec
 
 def training_flops(n_params: float, tokens: float) -> float:
     """The 6·N·D estimate of the FLOPs to train N parameters on D tokens."""
-    _positive(n_params=n_params, tokens=tokens)
+    validation.positive("n_params", n_params)
+    validation.positive("tokens", tokens)
     return 6.0 * n_params * tokens
 
 
 def training_days(flops: float, gpus: int, peak_flops: float, mfu: float) -> float:
     """Days of wall-clock to do `flops` on `gpus` devices, each at `mfu` × `peak_flops` FLOP/s."""
-    _positive(flops=flops, gpus=gpus, peak_flops=peak_flops, mfu=mfu)
-    if mfu > 1:
-        raise ValueError(f"mfu={mfu} is a fraction of the peak and must be <= 1")
+    validation.positive("flops", flops)
+    validation.positive("gpus", gpus)
+    validation.positive("peak_flops", peak_flops)
+    validation.number("mfu", mfu, above=0, high=1, hint="(a fraction of the peak)")
     return flops / (gpus * peak_flops * mfu) / SECONDS_PER_DAY
 
 
 def implied_mfu(flops: float, gpus: int, days: float, peak_flops: float) -> float:
     """The model-FLOPs utilisation that doing `flops` on `gpus` devices in `days` days requires."""
-    _positive(flops=flops, gpus=gpus, days=days, peak_flops=peak_flops)
+    validation.positive("flops", flops)
+    validation.positive("gpus", gpus)
+    validation.positive("days", days)
+    validation.positive("peak_flops", peak_flops)
     return flops / (gpus * days * SECONDS_PER_DAY * peak_flops)
 
 
 def mfu(flops_per_step: float, step_seconds: float, gpus: int, peak_flops: float) -> float:
     """Measured MFU: useful FLOPs per second over the devices' combined peak."""
-    _positive(flops_per_step=flops_per_step, step_seconds=step_seconds, gpus=gpus, peak_flops=peak_flops)
+    validation.positive("flops_per_step", flops_per_step)
+    validation.positive("step_seconds", step_seconds)
+    validation.positive("gpus", gpus)
+    validation.positive("peak_flops", peak_flops)
     return flops_per_step / step_seconds / (gpus * peak_flops)
 
 

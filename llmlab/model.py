@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llmlab import validation
 from llmlab.presets import from_preset
 
 __all__ = ["GPTConfig", "PRESETS", "GPT", "Block", "CausalSelfAttention", "MLP"]
@@ -54,16 +55,13 @@ class GPTConfig:
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive int")
+            validation.positive_int(name, getattr(self, name))
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
-        if not 0.0 <= self.dropout < 1.0:
+        if validation.number("dropout", self.dropout, low=0) >= 1:
             raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
         for name in ("bias", "flash"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+            validation.boolean(name, getattr(self, name))
 
     @classmethod
     def preset(cls, name: str, **overrides) -> GPTConfig:

@@ -20,6 +20,8 @@ import os
 import time
 from collections.abc import Callable
 
+from llmlab import validation
+
 __all__ = ["Monitor", "profile_step", "gpu_stats", "memory_bytes", "COMM_PREFIXES"]
 
 # torch.profiler op names of collectives: the c10d dispatcher op, the backend's work item, the comms record
@@ -119,8 +121,7 @@ class Monitor:
 
     def __init__(self, logdir: str | None = None, live: bool = False, every_s: float = 0.5, memory: bool = False,
                  comm_log=None):
-        if not every_s >= 0:
-            raise ValueError(f"every_s={every_s!r} must be >= 0")
+        validation.number("every_s", every_s, low=0)
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.live, self.every_s, self.memory, self.comm_log = live, every_s, memory, comm_log
         self._comm_seen, self._last_draw, self._handle, self._fig = 0.0, -float("inf"), None, None
@@ -135,8 +136,7 @@ class Monitor:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record `metrics` (name → number) at `step`; write and draw them as configured."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step={step!r} must be an int >= 0")
+        validation.integer("step", step, low=0)
         if not isinstance(metrics, dict):
             raise ValueError(f"metrics must be a dict of name → number, got {type(metrics).__name__}")
         metrics = {k: float(v) for k, v in metrics.items()}

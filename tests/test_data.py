@@ -174,7 +174,7 @@ def test_markov_source_bad_arguments(kwargs, match):
     (dict(batch_size=0), "batch_size=0"),
     (dict(block_size=2.5), "block_size=2.5"),
     (dict(world_size=3), "world_size=3 does not divide batch_size=4"),
-    (dict(world_size=2, rank=2), r"rank=2 must be an int in \[0, world_size=2\)"),
+    (dict(world_size=2, rank=2), r"rank=2 must be an int in \[0, 1\] \(world_size=2\)"),
     (dict(seed=-3), "seed=-3"),
     (dict(source="abc"), "source='abc'"),
 ])

@@ -103,7 +103,7 @@ def test_bad_out_and_block_size():
     with pytest.raises(ValueError, match="out must be contiguous"):
         vector_add.add(x.view(2, 5), x.view(2, 5), out=torch.empty(5, 2, device=DEVICE).t())
     for block in (0, 1000, -4, 2.0, True):
-        with pytest.raises(ValueError, match=f"block_size={block!r} must be a positive power of two"):
+        with pytest.raises(ValueError, match=rf"block_size={block!r} must be a .*power of two"):
             vector_add.add(x, x, block_size=block)
 
 
@@ -119,7 +119,7 @@ def test_bench_rows():
     for r in rows:
         assert r["impl_ms"] > 0 and r["peer_ms"] > 0
         assert r["ratio"] == pytest.approx(r["impl_ms"] / r["peer_ms"])
-    with pytest.raises(ValueError, match="each size must be a positive int"):
+    with pytest.raises(ValueError, match=r"sizes\[1\]=0 must be a positive int"):
         vector_add.bench(sizes=(10, 0))
 
 

@@ -22,10 +22,13 @@ In one process (no group) `comm_share(step)` still splits compute from the rest.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from llmlab import validation
 
 __all__ = ["CommShare", "comm_share", "Remedy", "CommVerdict", "comm_verdict", "RankTiming", "rank_timing",
            "Straggler", "find_straggler"]
@@ -49,9 +52,8 @@ def _rank() -> int:
 def _check_steps(step_fn, steps, warmup) -> None:
     if not callable(step_fn):
         raise ValueError(f"step_fn={step_fn!r} must be callable (one training step, no arguments)")
-    for name, value, low in (("steps", steps, 1), ("warmup", warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}={value!r} must be an int >= {low}")
+    validation.integer("steps", steps, low=1)
+    validation.integer("warmup", warmup, low=0)
 
 
 # -- compute vs communication --------------------------------------------------------------------------------
@@ -284,7 +286,7 @@ def find_straggler(timings, threshold: float = 0.1, min_seconds: float = 2e-3) -
     slower slows every synchronous step by 10%) and by more than `min_seconds` (2 ms: below that, timer and
     scheduler noise on a shared machine, where a Linux time slice is a few ms)."""
     for name, value in (("threshold", threshold), ("min_seconds", min_seconds)):
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+        if not math.isfinite(validation.number(name, value, low=0)):
             raise ValueError(f"{name}={value!r} must be a finite number >= 0")
     compute, wait = _split(timings)
     slowest = max(range(len(compute)), key=compute.__getitem__)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmlab import validation
+
 __all__ = ["gpt_loss", "NonFinite", "NonFiniteWatch", "LRRangeResult", "lr_range_test", "OverfitResult",
            "overfit_one_batch", "check_targets", "check_loss", "initial_loss"]
 
@@ -153,14 +155,12 @@ def lr_range_test(model: torch.nn.Module, batch_fn: Callable[[int], tuple[torch.
     lr_min·(lr_max/lr_min)^(i/(steps−1)) on batch `batch_fn(i)`, and the loss is smoothed by an exponential
     moving average (factor `smoothing`, bias-corrected) so that one noisy batch does not end the test. It stops
     early once the smoothed loss exceeds `blowup` × its minimum, or is NaN/inf (fastai's `lr_find` uses 4)."""
-    if not 0 < lr_min < lr_max:
-        raise ValueError(f"lr_min={lr_min!r} and lr_max={lr_max!r} must satisfy 0 < lr_min < lr_max")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
-        raise ValueError(f"steps={steps!r} must be an int >= 2")
-    if not 0 <= smoothing < 1:
+    validation.positive("lr_min", lr_min)
+    validation.number("lr_max", lr_max, above=lr_min, hint="(lr_min)")
+    validation.integer("steps", steps, low=2)
+    if validation.number("smoothing", smoothing, low=0) >= 1:
         raise ValueError(f"smoothing={smoothing!r} must be in [0, 1)")
-    if not blowup > 1:
-        raise ValueError(f"blowup={blowup!r} must be > 1")
+    validation.number("blowup", blowup, above=1)
     trial = copy.deepcopy(model).train()
     opt = optimizer(trial.parameters(), lr=lr_min)
     lrs, losses, avg, diverged = [], [], 0.0, None
@@ -197,10 +197,8 @@ def overfit_one_batch(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, 
     """Train a copy of `model` with AdamW on the one batch (x, y) for `steps` steps: a healthy model and loss
     memorise it, so the loss must fall to `target` (default: a tenth of its first value). If it cannot, the bug
     is in the model, the loss or the update — not in the data or the hyper-parameters."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} must be an int >= 1")
-    if not lr > 0:
-        raise ValueError(f"lr={lr!r} must be > 0")
+    validation.integer("steps", steps, low=1)
+    validation.positive("lr", lr)
     trial = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(trial.parameters(), lr=lr, weight_decay=0.0)
     losses = []
@@ -238,8 +236,7 @@ def check_loss(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], vocab
     cross-entropy is known: uniform logits must give ln V, logits confident in the right class (margin 30) ≈ 0,
     and the loss must be the mean over positions. `rtol` (1%) is far above float32 rounding (1e-6) and far below
     every mistake named here. Empty when fine."""
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
-        raise ValueError(f"vocab_size={vocab_size!r} must be an int >= 2")
+    validation.integer("vocab_size", vocab_size, low=2)
     N, V = 8, vocab_size
     targets = torch.randint(0, V, (N,))  # (N,)
     problems = []

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from llmlab import validation
 from llmlab.memory import checkpoint, measure, planner
 from llmlab.model import GPT, GPTConfig
 
@@ -97,10 +98,8 @@ def remedies(config: GPTConfig, batch_size: int, budget_bytes: float, *, zero_ra
     - ZeRO: the next stage (Rajbhandari et al. 2020), over the plan's data ranks (or `zero_ranks`);
     - smaller model: half the blocks.
     """
-    if not budget_bytes > 0:
-        raise ValueError(f"budget_bytes={budget_bytes!r} must be > 0")
-    if isinstance(zero_ranks, bool) or not isinstance(zero_ranks, int) or zero_ranks < 2:
-        raise ValueError(f"zero_ranks={zero_ranks!r} must be an int >= 2 (ZeRO shards over data ranks)")
+    validation.positive("budget_bytes", budget_bytes, hint="(bytes)")
+    validation.integer("zero_ranks", zero_ranks, low=2, hint="(ZeRO shards over data ranks)")
     base = planner.plan(config, batch_size, **plan_kwargs)
     options: list[tuple[str, str, Callable[[], planner.Plan]]] = []
     if batch_size > 1:
@@ -148,9 +147,8 @@ def forward_bytes(plan: planner.Plan) -> float:
 # --- the budget, enforced --------------------------------------------------------------------------------------
 
 def _check_budget(budget_bytes) -> None:
-    if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int | float)
-                                     or not budget_bytes > 0):
-        raise ValueError(f"budget_bytes={budget_bytes!r} must be a number of bytes > 0 (or None: no budget)")
+    if budget_bytes is not None:
+        validation.positive("budget_bytes", budget_bytes, hint="(bytes, or None: no budget)")
 
 
 class _Budget:
@@ -190,8 +188,7 @@ def enforced_budget(budget_bytes: float | None, resident_bytes: int = 0):
     `.add(nbytes)`)."""
     _check_budget(budget_bytes)
     budget_bytes = math.inf if budget_bytes is None else budget_bytes
-    if isinstance(resident_bytes, bool) or not isinstance(resident_bytes, int) or resident_bytes < 0:
-        raise ValueError(f"resident_bytes={resident_bytes!r} must be an int >= 0")
+    validation.integer("resident_bytes", resident_bytes, low=0)
     if resident_bytes > budget_bytes:
         raise MemoryBudgetExceeded(resident_bytes, 0, budget_bytes)
     budget = _Budget(budget_bytes, resident_bytes)

@@ -55,6 +55,7 @@ import zlib
 import torch
 import torch.distributed as td
 
+from llmlab import validation
 from llmlab.dist.commlog import exchange, post, scope
 
 __all__ = ["chunk_sizes", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "tree_all_reduce",
@@ -83,12 +84,12 @@ def _members(name: str, group) -> tuple[int, int]:
 
 
 def _check_local(name: str, arg: str, tensor, op: str | None, src=None, n: int = 0) -> None:
-    if src is not None and (isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < n):
-        raise ValueError(f"{name}: src={src!r} must be a rank of the group, 0 <= src < {n}")
+    if src is not None:
+        validation.integer(f"{name}: src", src, 0, n - 1, hint="(a rank of the group)")
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {type(tensor).__name__}")
-    if op is not None and op not in OPS:
-        raise ValueError(f"{name}: op={op!r} must be one of {OPS}")
+    if op is not None:
+        validation.one_of(f"{name}: op", op, OPS)
     if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
         raise ValueError(f"{name}: op='avg' needs a floating-point {arg}, got {tensor.dtype}; an integer average "
                          "would round: use op='sum' and divide as you mean to")
@@ -129,7 +130,7 @@ def _agree(name: str, arg: str, tensor, group, rank: int, n: int, op=None, src=N
                         f"something else{mine}")
     cols = list(zip(*rows, strict=True))
     if op is not None and -1 in cols[3]:
-        raise ValueError(f"{name}: op must be one of {OPS} on every rank; rank(s) "
+        raise ValueError(f"{name}: op must be one of {', '.join(map(repr, OPS))} on every rank; rank(s) "
                          f"{[i for i in range(n) if cols[3][i] == -1]} passed another (here op={op!r})")
     problem = (_first_difference(cols[2], f"{arg} has dtype", lambda c: _DTYPES.get(c, f"dtype #{c}"))
                or (same_numel and _first_difference(cols[1], f"{arg} has", lambda k: f"{k} elements"))

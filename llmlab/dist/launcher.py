@@ -41,6 +41,8 @@ import weakref
 from collections import deque
 from multiprocessing.connection import Connection, wait
 
+from llmlab import validation
+
 __all__ = ["Cluster", "spawn", "RankError", "RankCrashed"]
 
 _GRACE_S = 3.0  # how long the other ranks get to finish after one rank failed
@@ -77,18 +79,6 @@ class RankCrashed(RankError):
         super().__init__(rank, world_size, "RankCrashed", how, f"last output of rank {rank}:\n"
                          f"{output_tail or '(none)'}", note=note,
                          headline=f"rank {rank} of {world_size} crashed: its process was {how}")
-
-
-def _check_world_size(world_size) -> int:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be an int >= 1")
-    return world_size
-
-
-def _check_timeout(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"{name}={value!r} must be a number of seconds > 0")
-    return float(value)
 
 
 def _check_env(env) -> dict[str, str]:
@@ -209,12 +199,11 @@ class Cluster:
                  threads_per_rank: int | None = None, env: dict[str, str] | None = None):
         from llmlab import runtime
 
-        self.world_size = _check_world_size(world_size)
+        self.world_size = validation.integer("world_size", world_size, low=1)
         self.env = _check_env(env)
         self.backend = backend or runtime.backend(world_size)
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend={self.backend!r} must be 'gloo' or 'nccl'")
-        self.start_timeout = _check_timeout("start_timeout", start_timeout)
+        validation.one_of("backend", self.backend, ("gloo", "nccl"))
+        self.start_timeout = float(validation.positive("start_timeout", start_timeout, hint="(seconds)"))
         self.threads_per_rank = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
         self._ranks: list[_Rank] = []
         self._store = None
@@ -302,7 +291,7 @@ class Cluster:
     # -- calls -------------------------------------------------------------------------------------------
     def run(self, fn, *args, timeout: float = 60.0) -> list:
         """Run `fn(*args)` on every rank; return the per-rank results in rank order."""
-        timeout = _check_timeout("timeout", timeout)
+        timeout = float(validation.positive("timeout", timeout, hint="(seconds)"))
         payload = _pack(fn, args)
         if not self.alive:
             self.start()

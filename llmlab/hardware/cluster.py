@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from llmlab import flops
+from llmlab import flops, validation
 from llmlab.dist import cost
 from llmlab.hardware import roofline
 from llmlab.hardware.specs import SPECS
@@ -37,11 +37,6 @@ from llmlab.parallel.pipeline import bubble_fraction
 __all__ = ["ClusterConfig", "StepTime", "PRESETS", "preset", "step_time", "link_step_times", "TP_ALLREDUCES_PER_LAYER"]
 
 TP_ALLREDUCES_PER_LAYER = 4  # Megatron-LM: attention and MLP each all-reduce once forward (g) and once backward (f)
-
-
-def _int_at_least(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} must be an int >= {low}")
 
 
 @dataclass(frozen=True)
@@ -73,7 +68,7 @@ class ClusterConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not a link; choose from {', '.join(cost.LINKS)}")
         for name in ("gpus", "dp", "tp", "pp", "micro_batches", "batch_tokens", "bytes_per_param",
                      "bytes_per_activation"):
-            _int_at_least(name, getattr(self, name), 1)
+            validation.integer(name, getattr(self, name), low=1)
         if self.dp * self.tp * self.pp != self.gpus:
             raise ValueError(f"dp·tp·pp = {self.dp}·{self.tp}·{self.pp} = {self.dp * self.tp * self.pp} "
                              f"!= gpus={self.gpus}")
@@ -84,10 +79,8 @@ class ClusterConfig:
         if self.batch_tokens % (self.dp * self.micro_batches):
             raise ValueError(f"batch_tokens={self.batch_tokens} is not divisible by dp·micro_batches = "
                              f"{self.dp}·{self.micro_batches}")
-        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int | float) or not self.tokens > 0:
-            raise ValueError(f"tokens={self.tokens!r} must be a positive number")
-        if isinstance(self.mfu, bool) or not isinstance(self.mfu, int | float) or not 0 < self.mfu <= 1:
-            raise ValueError(f"mfu={self.mfu!r} must be in (0, 1]")
+        validation.positive("tokens", self.tokens)
+        validation.number("mfu", self.mfu, above=0, high=1, hint="(a fraction of the attainable FLOP/s)")
 
     @property
     def n_params(self) -> int:

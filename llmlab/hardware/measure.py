@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmlab import validation
+
 __all__ = ["Measured", "device_name", "measure"]
 
 
@@ -59,14 +61,6 @@ class Measured:
         return (f"{self.device} · {self.name} · {self.threads} threads: "
                 f"matmul {self.matmul_flops / 1e12:.3g} TFLOP/s fp32 (n={self.matmul_n}), "
                 f"copy {self.copy_bandwidth / 1e9:.3g} GB/s ({self.copy_bytes >> 20} MiB)")
-
-
-def _check_seconds(seconds) -> float:
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
-        raise ValueError(f"seconds={seconds!r} must be a number of seconds")
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"seconds={seconds!r} must be positive and finite")
-    return float(seconds)
 
 
 def _median_within(fn, device, budget: float, started: float, first: float) -> float:
@@ -138,7 +132,9 @@ def measure(device=None, seconds: float = 1.0) -> Measured:
 
     from llmlab import runtime
 
-    seconds = _check_seconds(seconds)
+    if math.isinf(validation.positive("seconds", seconds)):
+        raise ValueError(f"seconds={seconds!r} must be a finite positive number")
+    seconds = float(seconds)
     device = runtime.device() if device is None else torch.device(device)
     flops, n = _matmul_flops(device, seconds / 2)
     bandwidth, nbytes = _copy_bandwidth(device, seconds / 2)

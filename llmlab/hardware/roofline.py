@@ -20,24 +20,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from llmlab import validation
+
 __all__ = ["gemm_flops", "gemm_bytes", "gemm_intensity", "attainable", "ridge_point", "bound", "Point",
            "model_gemms", "measure_point", "plot"]
 
 
-def _positive(**values) -> None:
-    for name, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
-            raise ValueError(f"{name}={v!r} must be a positive number")
+def _check_shape(m, n, k) -> None:
+    for name, value in (("m", m), ("n", n), ("k", k)):
+        validation.positive(name, value)
 
 
 def gemm_flops(m: int, n: int, k: int) -> int:
-    _positive(m=m, n=n, k=k)
+    _check_shape(m, n, k)
     return 2 * m * n * k
 
 
 def gemm_bytes(m: int, n: int, k: int, bytes_per_element: int = 2) -> int:
     """The least memory traffic of C = A @ B: read A and B once, write C once."""
-    _positive(m=m, n=n, k=k, bytes_per_element=bytes_per_element)
+    _check_shape(m, n, k)
+    validation.positive("bytes_per_element", bytes_per_element)
     return (m * k + k * n + m * n) * bytes_per_element
 
 
@@ -48,12 +50,15 @@ def gemm_intensity(m: int, n: int, k: int, bytes_per_element: int = 2) -> float:
 
 def attainable(intensity: float, peak_flops: float, bandwidth: float) -> float:
     """The roof: min(peak, intensity × bandwidth), in FLOP/s."""
-    _positive(intensity=intensity, peak_flops=peak_flops, bandwidth=bandwidth)
+    validation.positive("intensity", intensity)
+    validation.positive("peak_flops", peak_flops)
+    validation.positive("bandwidth", bandwidth)
     return min(peak_flops, intensity * bandwidth)
 
 
 def ridge_point(peak_flops: float, bandwidth: float) -> float:
-    _positive(peak_flops=peak_flops, bandwidth=bandwidth)
+    validation.positive("peak_flops", peak_flops)
+    validation.positive("bandwidth", bandwidth)
     return peak_flops / bandwidth
 
 
@@ -97,7 +102,7 @@ def measure_point(point: Point, device=None, repeats: int = 5) -> Point:
 
 def model_gemms(config, tokens: int, bytes_per_element: int = 2) -> list[Point]:
     """The weight GEMMs of one transformer layer of `config` (llmlab.model.GPTConfig) on `tokens` tokens."""
-    _positive(tokens=tokens)
+    validation.positive("tokens", tokens)
     C = config.n_embd
     shapes = [("qkv", 3 * C, C), ("attn out", C, C), ("mlp up", 4 * C, C), ("mlp down", C, 4 * C)]
     return [Point(f"{name} ({tokens}×{k} @ {k}×{n})", tokens, n, k, bytes_per_element) for name, n, k in shapes]

@@ -10,7 +10,7 @@ The arithmetic is llmlab's own (`llmlab.flops`, `llmlab.hardware.roofline`).
 
 from __future__ import annotations
 
-from llmlab import flops
+from llmlab import flops, validation
 from llmlab.hardware import SPECS, roofline
 from llmlab.widgets.base import choices, count, gpu_spec, result_explorer, si
 
@@ -33,8 +33,7 @@ def training_estimate(n_params: float, tokens: float, gpu: str, gpus: int, mfu: 
 
     Returns a dict: flops (6·N·D), peak_flops (one GPU's), days, gpu_hours, and the inputs.
     """
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(f"gpus={gpus!r} must be a positive int")
+    validation.positive_int("gpus", gpus)
     peak = gpu_spec(gpu).peak_flops(precision)
     total = flops.training_flops(n_params, tokens)
     days = flops.training_days(total, gpus=gpus, peak_flops=peak, mfu=mfu)
@@ -130,8 +129,7 @@ def _size_slider(value: int, description: str):
     """m, n or k: 1, 1.5, 2, 3, 4, 6, 8, … 65536 (powers of 2 and 1.5× them), plus `value`."""
     import ipywidgets as w
 
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{description.split()[0]}={value!r} must be a positive int")
+    validation.positive_int(description.split()[0], value)
     options = [(label, int(v)) for label, v in choices(value, range(0, 17), lambda v: str(int(v)), (1, 1.5), 2)
                if v == int(v)]
     return w.SelectionSlider(options=options, value=value, description=description, continuous_update=False,
@@ -150,11 +148,9 @@ def roofline_explorer(m: int = 512, n: int = 2304, k: int = 768, dtype: str = "b
     import ipywidgets as w
 
     extra = dict(devices or {})
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}; choose from {list(DTYPES)}")
+    validation.one_of("dtype", dtype, DTYPES)
     names = list(SPECS) + [name for name in extra if name not in SPECS]
-    if gpu not in names:
-        raise ValueError(f"gpu={gpu!r}; choose from {names}")
+    validation.one_of("gpu", gpu, names)
 
     def roof(device: str, precision: str) -> tuple[float, float]:
         if device in extra:
