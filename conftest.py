@@ -20,6 +20,10 @@ from pathlib import PurePosixPath
 
 import pytest
 
+# first, whichever test file runs first: it makes Triton interpret kernels on the CPU tier before torch can import
+# triton (tests/test_flops.py's FlopCounterMode does); see runtime.configure_triton
+import llmlab  # noqa: F401
+
 BUDGETS_S = {"chapters": 60.0, "exercises": 40.0, "solutions": 40.0}
 DEFAULT_BUDGET_S = 60.0  # any other notebook (tests/notebooks/) is held to a chapter's budget
 

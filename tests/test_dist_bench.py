@@ -1,5 +1,6 @@
 """llmlab.dist.bench (the allreduce bench), llmlab.dist.trace (the ring step by step, traffic per rank) and the
-all-reduce cost widget's pure functions. Shapes and arithmetic only: nothing here asserts a speed (README, "Tests": speed is measured by `llmlab bench`)."""
+all-reduce cost widget's pure functions. Shapes and arithmetic only: nothing here asserts a speed (README,
+"Tests": speed is measured by `llmlab bench`)."""
 
 import json
 import math
