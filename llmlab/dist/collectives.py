@@ -56,7 +56,7 @@ import torch
 import torch.distributed as td
 
 from llmlab import validation
-from llmlab.dist.commlog import exchange, post, scope
+from llmlab.dist.commlog import chunk_sizes, exchange, post, scope
 
 __all__ = ["chunk_sizes", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "tree_all_reduce",
            "tree_broadcast", "all_to_all", "OPS"]
@@ -64,12 +64,6 @@ __all__ = ["chunk_sizes", "ring_reduce_scatter", "ring_all_gather", "ring_all_re
 OPS = ("sum", "avg")
 _MAX_DIMS = 8  # all_to_all sends shapes of up to this many dims
 _DTYPES = {zlib.crc32(str(d).encode()): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
-
-
-def chunk_sizes(numel: int, world_size: int) -> list[int]:
-    """Sizes of `torch.tensor_split(flat, world_size)`: the first `numel % world_size` chunks get one more."""
-    q, extra = divmod(numel, world_size)
-    return [q + (i < extra) for i in range(world_size)]
 
 
 # -- checks ----------------------------------------------------------------------------------------------------

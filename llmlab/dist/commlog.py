@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as td
 
-__all__ = ["CommLog", "Event", "OpStats", "post", "exchange", "scope"]
+__all__ = ["CommLog", "Event", "OpStats", "post", "exchange", "scope", "chunk_sizes"]
 
 OpStats = namedtuple("OpStats", "calls bytes_sent bytes_received seconds")
 
@@ -153,10 +153,17 @@ def exchange(sends=(), recvs=(), group=None) -> None:
 
 
 # -- torch.distributed's collectives, counted as llmlab's ring would move them --------------------------------
+def chunk_sizes(numel: int, world_size: int) -> list[int]:
+    """Sizes of `torch.tensor_split(flat, world_size)`: the first `numel % world_size` chunks get one more.
+
+    The ring collectives (`llmlab.dist.collectives`) split a tensor so; the log counts torch's collectives as
+    that ring would move them."""
+    q, extra = divmod(numel, world_size)
+    return [q + (i < extra) for i in range(world_size)]
+
+
 def _ring_bytes(name: str, a: dict) -> tuple[int, int]:
     """(bytes sent, bytes received) on this rank by llmlab's ring for torch collective `name` called with `a`."""
-    from llmlab.dist.collectives import chunk_sizes
-
     group = a.get("group")
     n, r = td.get_world_size(group), td.get_rank(group)
     if n == 1:
