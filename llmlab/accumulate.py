@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmlab import validation as check
+from llmlab import validation
 from llmlab.dist.collectives import ring_all_reduce
 
 __all__ = ["accumulate_gradients", "data_parallel_accumulate", "NoSyncBytes", "DEMO_MICRO_BATCHES", "demo_model",
@@ -125,8 +125,8 @@ def demo_model() -> torch.nn.Module:
 def demo_batches(seed: int, micro_batches: int, rows: int = 8) -> list:
     """`micro_batches` micro-batches (x, y) of `rows` random float64 examples each for `demo_model`, drawn with
     generator seed `seed`."""
-    check.positive_int("micro_batches", micro_batches)
-    check.positive_int("rows", rows)
+    validation.positive_int("micro_batches", micro_batches)
+    validation.positive_int("rows", rows)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(micro_batches * rows, 32, generator=g, dtype=torch.float64)  # (k·rows, 32)
     y = torch.randn(micro_batches * rows, 1, generator=g, dtype=torch.float64)  # (k·rows, 1)
@@ -165,8 +165,7 @@ def measure_no_sync(cluster=None, world_size: int = 2, micro_batches: int = DEMO
     or on `world_size` new gloo ranks."""
     from llmlab import dist
 
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches={micro_batches!r} must be an int >= 1")
+    validation.positive_int("micro_batches", micro_batches)
     if cluster is None:
         per_rank = dist.spawn(_no_sync_on_rank, world_size, micro_batches, backend="gloo")  # CPU tensors
     else:

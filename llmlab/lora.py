@@ -32,6 +32,8 @@ import math
 import torch
 import torch.nn as nn
 
+from llmlab import validation
+
 __all__ = ["LoRALinear", "apply_lora", "trainable_parameters", "lora_state_dict"]
 
 
@@ -47,12 +49,10 @@ class LoRALinear(nn.Module):
         if not isinstance(base, nn.Linear):
             raise ValueError(f"base must be an nn.Linear, got {type(base).__name__}")
         out_features, in_features = base.weight.shape
-        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= min(in_features, out_features):
-            raise ValueError(f"r={r!r} must be an int in [1, min(in, out)] = [1, {min(in_features, out_features)}] "
-                             f"for a {in_features} -> {out_features} Linear")
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-            raise ValueError(f"alpha={alpha!r} must be a positive number")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        validation.integer("r", r, 1, min(in_features, out_features),
+                           hint=f"(min(in, out) for a {in_features} -> {out_features} Linear)")
+        validation.positive("alpha", alpha)
+        if validation.number("dropout", dropout, low=0) >= 1:
             raise ValueError(f"dropout={dropout!r} must be in [0, 1)")
         self.base = base.requires_grad_(False)
         self.in_features, self.out_features, self.r, self.alpha = in_features, out_features, r, float(alpha)

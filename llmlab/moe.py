@@ -58,6 +58,7 @@ import torch
 import torch.distributed as td
 import torch.nn as nn
 
+from llmlab import validation
 from llmlab.dist.collectives import all_to_all
 from llmlab.dist.commlog import scope
 from llmlab.timing import compare
@@ -159,12 +160,6 @@ class _AllToAll(torch.autograd.Function):
         return torch.cat(all_to_all(list(grad.contiguous().split(ctx.received_counts)), ctx.group)), None, None
 
 
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive int")
-    return value
-
-
 class MoELayer(nn.Module):
     """A top-k mixture of `num_experts` MLPs (dim -> hidden -> dim); forward returns `(output, aux_loss)`.
 
@@ -177,16 +172,13 @@ class MoELayer(nn.Module):
     def __init__(self, dim: int, hidden: int, num_experts: int, k: int = 2, capacity_factor: float | None = 1.25,
                  group=None, *, balance_coef: float = 1e-2, z_coef: float = 1e-3):
         super().__init__()
-        self.dim, self.hidden = _positive_int("dim", dim), _positive_int("hidden", hidden)
-        self.num_experts = _positive_int("num_experts", num_experts)
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
-            raise ValueError(f"k={k!r} must be an int in [1, num_experts={num_experts}]")
-        if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(
-                capacity_factor, int | float) or not capacity_factor > 0):
-            raise ValueError(f"capacity_factor={capacity_factor!r} must be a number > 0, or None (dropless)")
-        for name, coef in (("balance_coef", balance_coef), ("z_coef", z_coef)):
-            if isinstance(coef, bool) or not isinstance(coef, int | float) or not coef >= 0:
-                raise ValueError(f"{name}={coef!r} must be a number >= 0")
+        self.dim, self.hidden = validation.positive_int("dim", dim), validation.positive_int("hidden", hidden)
+        self.num_experts = validation.positive_int("num_experts", num_experts)
+        validation.integer("k", k, 1, num_experts, hint="(experts per token, at most num_experts)")
+        if capacity_factor is not None:
+            validation.positive("capacity_factor", capacity_factor, hint="(or None: dropless)")
+        validation.number("balance_coef", balance_coef, low=0)
+        validation.number("z_coef", z_coef, low=0)
         self.k, self.capacity_factor, self.group = k, capacity_factor, group
         self.balance_coef, self.z_coef = float(balance_coef), float(z_coef)
         self.world_size, rank = 1, 0

@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.patches import Rectangle
 
-from llmlab import validation as check
+from llmlab import validation
 from llmlab.timeline import Timeline
 
 __all__ = ["plot_timeline", "stacked_bars", "data_parallel_diagram", "weight_split", "flow_chart", "sharded_state",
@@ -40,7 +40,7 @@ def plot_timeline(timeline: Timeline, ax=None, *, title: str | None = None, xlab
     """
     if not isinstance(timeline, Timeline):
         raise ValueError(f"timeline must be an llmlab.timeline.Timeline, got {type(timeline).__name__}")
-    check.positive("scale", scale)
+    validation.positive("scale", scale)
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 0.6 + (0.7 if split_kinds else 0.45) * len(timeline.lanes)))
     t0, kinds = timeline.start, timeline.kinds
@@ -91,7 +91,7 @@ def data_parallel_diagram(ranks: int = 4, ax=None, title: str = "data parallelis
                                                                    "gradients"):
     """Data parallelism as boxes: each of `ranks` ranks runs the whole model on its slice of the batch, then one
     all-reduce averages the gradients. Returns the Axes."""
-    check.integer("ranks", ranks, low=1, high=8, hint="(the boxes must fit side by side)")
+    validation.integer("ranks", ranks, low=1, high=8, hint="(the boxes must fit side by side)")
     if ax is None:
         _, ax = plt.subplots(figsize=(9, 2.6))
     for r in range(ranks):
@@ -116,8 +116,8 @@ def data_parallel_diagram(ranks: int = 4, ax=None, title: str = "data parallelis
 def weight_split(ax, ranks: int, by: str, title: str = ""):
     """A (out × in) weight as nn.Linear stores it, split over `ranks` ranks by output rows (`by="out"`, column
     parallel) or input columns (`by="in"`, row parallel), each shard named A_r."""
-    check.integer("ranks", ranks, low=1, high=8, hint="(the shards must stay readable)")
-    check.one_of("by", by, ("out", "in"))
+    validation.integer("ranks", ranks, low=1, high=8, hint="(the shards must stay readable)")
+    validation.one_of("by", by, ("out", "in"))
     out_f, in_f = 4.0, 2.0
     for r in range(ranks):
         if by == "out":
@@ -164,7 +164,7 @@ def sharded_state(bytes_per_param: Mapping[str, float], sharded: Mapping[str, Co
     bytes per parameter, in drawing order), divided by `ranks` where the row shards it; a shard wide enough is
     numbered by its owner. A row of `totals` (row → bytes per parameter on one GPU) ends with that number (as
     "…Ψ per GPU", Ψ the parameter count); `labels` names the parts in the legend. Returns the Axes."""
-    check.integer("ranks", ranks, low=1, high=8, hint="(the boxes must fit side by side)")
+    validation.integer("ranks", ranks, low=1, high=8, hint="(the boxes must fit side by side)")
     if not bytes_per_param or not sharded:
         raise ValueError("bytes_per_param and sharded must each name at least one part and row")
     for row, parts in sharded.items():
@@ -209,7 +209,7 @@ def tile_orders(orders: Mapping[str, Sequence[tuple[int, int]]], wave: int,
     {programs running at once: the A + B panels a wave of them reads}) as lines. Returns the Figure."""
     if not orders:
         raise ValueError("orders must hold at least one tile order")
-    check.positive_int("wave", wave)
+    validation.positive_int("wave", wave)
     if set(panels) != set(orders):
         raise ValueError(f"panels must have the orders' names {list(orders)}, got {list(panels)}")
     fig, axes = plt.subplots(1, len(orders) + 1, figsize=(4 * (len(orders) + 1), 3.8))

@@ -38,6 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llmlab import validation
 from llmlab.timing import synchronize
 
 __all__ = ["MinMaxQuantizer", "LSQQuantizer", "QConfig", "QuantLinear", "quantize_model", "train_losses",
@@ -102,13 +103,10 @@ class _Quantizer(nn.Module):
 
     def __init__(self, bits: int, signed: bool, per_channel: bool, ch_axis: int):
         super().__init__()
-        if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 16:
-            raise ValueError(f"bits={bits!r} must be an int in [2, 16]")
-        for name, value in (("signed", signed), ("per_channel", per_channel)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name}={value!r} must be a bool")
-        if isinstance(ch_axis, bool) or not isinstance(ch_axis, int):
-            raise ValueError(f"ch_axis={ch_axis!r} must be an int")
+        validation.integer("bits", bits, 2, 16)
+        validation.boolean("signed", signed)
+        validation.boolean("per_channel", per_channel)
+        validation.integer("ch_axis", ch_axis)
         self.bits, self.signed, self.per_channel, self.ch_axis = bits, signed, per_channel, ch_axis
         # Signed: [−2^(b−1), 2^(b−1) − 1] (Q_N = 2^(b−1), Q_P = 2^(b−1) − 1); unsigned: [0, 2^b − 1].
         self.q_min, self.q_max = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
@@ -317,8 +315,7 @@ def _train(quant_config: QConfig | None, steps: int, seed: int, lr: float, batch
     from llmlab.data import MarkovSource, SyntheticDataset
     from llmlab.model import GPT, GPTConfig
 
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r} must be a positive int")
+    validation.positive_int("steps", steps)
     torch.manual_seed(seed)
     model = GPT(GPTConfig.preset("tiny", block_size=block_size))
     if quant_config is not None:
@@ -362,8 +359,7 @@ def bench(steps: int = 100, batch_size: int = 8, block_size: int = 64, kernel_si
     from llmlab import runtime
     from llmlab.kernels import quantize
 
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 13:
-        raise ValueError(f"steps={steps!r} must be an int ≥ 13 (3 warm-up steps, 10 averaged)")
+    validation.integer("steps", steps, low=13, hint="(3 warm-up steps, 10 averaged)")
     device = runtime.device()
     args = (steps, 0, 3e-3, batch_size, block_size, device)
     fp32_losses, fp32_seconds = _train(None, *args)

@@ -17,7 +17,7 @@ import re
 import textwrap
 from dataclasses import dataclass
 
-from llmlab import validation as check
+from llmlab import validation
 
 __all__ = ["Table", "format_table", "cell"]
 
@@ -43,7 +43,7 @@ class Table:
     width: int = 110
 
     def __post_init__(self):
-        check.positive_int("width", self.width, hint="(characters)")
+        validation.positive_int("width", self.width, hint="(characters)")
         for i, row in enumerate(self.rows):
             if len(row) != len(self.columns):
                 raise ValueError(f"rows[{i}] has {len(row)} values for {len(self.columns)} columns")
@@ -110,6 +110,6 @@ class Table:
 
 def format_table(rows: list[dict], width: int = 110) -> Table:
     """The `Table` of `rows` (dicts; a key missing from a row is a blank cell): text at most `width` wide."""
-    check.positive_int("width", width, hint="(characters)")
+    validation.positive_int("width", width, hint="(characters)")
     columns = tuple(dict.fromkeys(key for row in rows for key in row))
     return Table(tuple(map(str, columns)), tuple(tuple(cell(row.get(c, "")) for c in columns) for row in rows), width)

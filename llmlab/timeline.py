@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from llmlab import validation as check
+from llmlab import validation
 
 __all__ = ["Span", "Timeline"]
 
@@ -29,7 +29,7 @@ class Span:
     end: float
 
     def __post_init__(self):
-        check.integer("lane", self.lane, low=0)
+        validation.integer("lane", self.lane, low=0)
         if not self.end >= self.start:
             raise ValueError(f"end={self.end!r} must be >= start={self.start!r}")
 

@@ -1,11 +1,11 @@
 """Checks of a public function's arguments, with one wording: the argument's name, its value, what it must be.
 
-    from llmlab import validation as check
-    check.integer("world_size", world_size, low=1)        # world_size=0 must be an int >= 1
-    check.positive_int("n_head", n_head)                  # n_head=0 must be a positive int
-    check.number("lr", lr, low=0)                         # lr=-1 must be a number >= 0
-    check.positive("seconds", seconds)                    # seconds=0 must be a positive number
-    check.one_of("precision", precision, ("fp32", "bf16", "fp16"))
+    from llmlab import validation
+    validation.integer("world_size", world_size, low=1)   # world_size=0 must be an int >= 1
+    validation.positive_int("n_head", n_head)             # n_head=0 must be a positive int
+    validation.number("lr", lr, low=0)                    # lr=-1 must be a number >= 0
+    validation.positive("seconds", seconds)               # seconds=0 must be a positive number
+    validation.one_of("precision", precision, ("fp32", "bf16", "fp16"))
 
 Each returns the value (a number as given; `number` accepts ints too) so a check can stand in an assignment, and
 raises `ValueError` otherwise. A bool is refused where a number is expected: `True` is an int to Python, but

@@ -103,7 +103,7 @@ def test_segments_one_is_the_plain_run_and_bad_segments_are_refused():
     _, one = measure.saved_activation_bytes(checkpoint_sequential, layers, 1, x)
     assert one == plain
     for bad in (0, 4, True, 1.5):
-        with pytest.raises(ValueError, match=f"segments={bad!r} must be an int between 1 and the 3 modules"):
+        with pytest.raises(ValueError, match=rf"segments={bad!r} must be an int in \[1, 3\] \(at most one segment"):
             checkpoint_sequential(layers, bad, x)
     with pytest.raises(ValueError, match="modules is empty"):
         checkpoint_sequential([], 1, x)

@@ -31,10 +31,12 @@ def test_precisions_optimizers_and_one_rank():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(stage=4), "stage=4 must be a ZeRO stage"), (dict(stage=-1), "stage=-1"), (dict(stage=True), "stage=True"),
+    (dict(stage=4), r"stage=4 must be an int in \[0, 3\] \(the ZeRO stage; 0 is plain data parallel\)"),
+    (dict(stage=-1), "stage=-1"), (dict(stage=True), "stage=True"),
     (dict(stage=1.0), "stage=1.0"), (dict(world_size=0), "world_size=0 must be an int >= 1"),
     (dict(world_size=2.0), "world_size=2.0"), (dict(num_params=-1), "num_params=-1"),
-    (dict(optimizer="lamb"), "optimizer='lamb' unknown"), (dict(precision="fp8"), "precision='fp8' unknown"),
+    (dict(optimizer="lamb"), "optimizer='lamb' must be one of 'adam', 'adamw'"),
+    (dict(precision="fp8"), "precision='fp8' must be one of 'mixed', 'fp32'"),
 ])
 def test_model_state_errors_name_the_argument(kwargs, match):
     args = dict(num_params=1e6, stage=0, world_size=8) | kwargs

@@ -128,7 +128,7 @@ def test_drop_rate_falls_with_capacity_factor_and_is_zero_when_dropless(one_thre
 
 
 def test_bad_arguments_are_refused_by_name():
-    with pytest.raises(ValueError, match=r"k=5 must be an int in \[1, num_experts=4\]"):
+    with pytest.raises(ValueError, match=r"k=5 must be an int in \[1, 4\] \(experts per token, at most num_experts\)"):
         MoELayer(6, 10, 4, k=5)
     with pytest.raises(ValueError, match="k=0"):
         MoELayer(6, 10, 4, k=0)

@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmlab import validation
+
 __all__ = ["VERDICTS", "REFERENCE_PATH", "ReferenceRow", "Measurement", "Claim", "Row", "ClaimsTable", "Registry",
            "load_reference"]
 
@@ -85,8 +87,7 @@ class Measurement:
         except (TypeError, ValueError):
             raise ValueError(f"value={self.value!r} must be a number, a tuple of numbers, or a mapping of "
                              "names to numbers") from None
-        if self.verdict not in VERDICTS:
-            raise ValueError(f"verdict={self.verdict!r} must be one of {VERDICTS}")
+        validation.one_of("verdict", self.verdict, VERDICTS)
         if not self.text:
             raise ValueError("text must say what was measured here")
 
@@ -244,8 +245,7 @@ class Registry:
 
     def table(self, chapter: int) -> ClaimsTable:
         """Run every claim of `chapter` now and return the table of results."""
-        if isinstance(chapter, bool) or not isinstance(chapter, int) or chapter < 1:
-            raise ValueError(f"chapter={chapter!r} must be a chapter number (1, 2, …)")
+        validation.integer("chapter", chapter, low=1, hint="(a chapter number)")
         return ClaimsTable(chapter, tuple(self.run(cid) for cid in self.ids(chapter)))
 
 

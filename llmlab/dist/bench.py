@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llmlab import validation
 from llmlab.dist import cost
 
 __all__ = ["DEFAULT_SIZES", "CLAIM_SIZES", "IMPLS", "AllReduceRun", "measure", "bench", "recent", "format_bytes"]
@@ -201,9 +202,9 @@ def _check_sizes(sizes) -> tuple[int, ...]:
     sizes = tuple(sizes)
     if len(sizes) < 2:
         raise ValueError(f"sizes={sizes!r}: give at least 2 message sizes (bytes) to fit α and β")
-    for s in sizes:
-        if isinstance(s, bool) or not isinstance(s, int) or s < 4 or s % 4:
-            raise ValueError(f"sizes: {s!r} must be a whole number of fp32 elements, a multiple of 4 bytes >= 4")
+    for i, s in enumerate(sizes):
+        if validation.integer(f"sizes[{i}]", s, low=4, hint="(bytes)") % 4:
+            raise ValueError(f"sizes[{i}]={s} must be a multiple of 4 bytes (a whole number of fp32 elements)")
     if len(set(sizes)) != len(sizes):
         raise ValueError(f"sizes={sizes!r} repeats a size")
     return tuple(sorted(sizes))
@@ -220,14 +221,11 @@ def measure(sizes=DEFAULT_SIZES, world_size: int = 4, *, cluster=None, repeats: 
     from llmlab import dist
 
     sizes = _check_sizes(sizes)
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats={repeats!r} must be an int >= 1")
-    if not span_s > 0:
-        raise ValueError(f"span_s={span_s!r} must be > 0 seconds")
+    validation.integer("repeats", repeats, low=1)
+    validation.positive("span_s", span_s, hint="(seconds)")
     own = cluster is None
     if own:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 2:
-            raise ValueError(f"world_size={world_size!r} must be an int >= 2: one rank has nothing to all-reduce")
+        validation.integer("world_size", world_size, low=2, hint="(one rank has nothing to all-reduce)")
         cluster = dist.Cluster(world_size)
     elif cluster.world_size < 2:
         raise ValueError(f"cluster has {cluster.world_size} rank; an all-reduce needs at least 2")

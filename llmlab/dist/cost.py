@@ -40,6 +40,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from llmlab import validation
+
 __all__ = ["Link", "LINKS", "Fit", "COLLECTIVES", "collective_time", "ring_allreduce_time", "tree_allreduce_time",
            "reduce_scatter_time", "all_gather_time", "all_to_all_time", "broadcast_time", "algorithm_bandwidth",
            "bus_bandwidth", "fit_alpha_beta", "crossover_bytes", "link_times", "NODE_LINKS", "NETWORK_LINKS",
@@ -67,8 +69,7 @@ _BUS_FACTOR.update(ring_all_reduce=_BUS_FACTOR["all_reduce"], tree_all_reduce=_B
 
 
 def _check(nbytes, n, alpha=0.0, beta=0.0) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n={n!r} must be an int >= 1 (the number of ranks)")
+    validation.integer("n", n, low=1, hint="(the number of ranks)")
     if not nbytes >= 0:
         raise ValueError(f"nbytes={nbytes!r} must be >= 0")
     if not alpha >= 0 or not beta >= 0:
@@ -229,7 +230,6 @@ C15_STEP = {"n_params": 7e9, "bytes_per_param": 2, "node_gpus": 8, "cluster_gpus
 def gradient_allreduce_times(n_params: float, n: int, bytes_per_param: int = 2, links=None) -> dict[str, float]:
     """Seconds of one step's gradient all-reduce (a ring over `n` ranks) of `n_params` parameters stored in
     `bytes_per_param` bytes each (2: bf16), over every link: {link key: seconds}."""
-    if not n_params > 0 or isinstance(bytes_per_param, bool) or not isinstance(bytes_per_param, int) \
-            or bytes_per_param < 1:
-        raise ValueError(f"n_params={n_params!r} must be > 0 and bytes_per_param={bytes_per_param!r} an int >= 1")
+    validation.positive("n_params", n_params)
+    validation.integer("bytes_per_param", bytes_per_param, low=1)
     return link_times(n_params * bytes_per_param, n, "ring_all_reduce", links)

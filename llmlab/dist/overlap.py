@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as td
 
+from llmlab import validation
 from llmlab.dist.collectives import ring_all_reduce
 from llmlab.timeline import Span, Timeline
 
@@ -60,13 +61,10 @@ class RankRun:
 def run_layers(mode: str = "async", comm: str = "torch", n_layers: int = 8, dim: int = 1024, batch: int = 128,
                group=None, seed: int = 0, keep_grads: bool = False) -> RankRun:
     """On every rank of `group`: n_layers × (compute, all-reduce its gradient), serially or overlapped."""
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} must be one of {MODES}")
-    if comm not in COMMS:
-        raise ValueError(f"comm={comm!r} must be one of {COMMS}")
+    validation.one_of("mode", mode, MODES)
+    validation.one_of("comm", comm, COMMS)
     for name, value in (("n_layers", n_layers), ("dim", dim), ("batch", batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an int >= 1")
+        validation.integer(name, value, low=1)
     rank = td.get_rank(group)
     weights = torch.randn(n_layers, dim, dim, generator=torch.Generator().manual_seed(seed)) / dim ** 0.5
     h = torch.randn(batch, dim, generator=torch.Generator().manual_seed(seed + 1 + rank))  # this rank's data

@@ -37,6 +37,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
+from llmlab import validation
 from llmlab.timing import compare
 
 __all__ = ["checkpoint", "checkpoint_sequential", "checkpointed", "segment_sweep", "bench_every_block", "bench"]
@@ -115,8 +116,7 @@ def checkpoint_sequential(modules: Iterable[Callable], segments: int, x: torch.T
     modules = list(modules)
     if not modules:
         raise ValueError("modules is empty: checkpoint_sequential needs at least one module")
-    if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= len(modules):
-        raise ValueError(f"segments={segments!r} must be an int between 1 and the {len(modules)} modules")
+    validation.integer("segments", segments, 1, len(modules), hint="(at most one segment per module)")
     n = len(modules)
     bounds = [round(i * n / segments) for i in range(segments + 1)]  # segment i is modules[bounds[i]:bounds[i+1]]
     for start, end in zip(bounds[:-2], bounds[1:-1], strict=True):

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmlab import validation
 from llmlab.memory import measure
 from llmlab.timing import compare
 
@@ -45,10 +46,8 @@ BITS = (2, 4, 8)  # code widths that fill a byte exactly
 
 
 def _check(bits, group_size) -> None:
-    if bits not in BITS or isinstance(bits, bool):
-        raise ValueError(f"bits={bits!r} must be one of {BITS}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 8 // bits:
-        raise ValueError(f"group_size={group_size!r} must be an int >= {8 // bits} (codes per byte)")
+    validation.one_of("bits", bits, BITS)
+    validation.integer("group_size", group_size, low=8 // bits, hint="(codes per byte)")
     if group_size % (8 // bits):
         raise ValueError(f"group_size={group_size} must be a multiple of {8 // bits} (codes per byte at {bits} bits)")
 

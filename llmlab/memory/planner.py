@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from llmlab import validation
 from llmlab.model import GPTConfig
 
 __all__ = ["OPTIMIZER_STATES", "PRECISIONS", "ZERO_PAPER_EXAMPLE", "state_bytes_per_param", "model_state_bytes",
@@ -51,17 +52,10 @@ PRECISIONS = ("mixed", "fp32")
 ZERO_PAPER_EXAMPLE = {"num_params": 7.5e9, "world_size": 64, "gb": (120.0, 31.4, 16.6, 1.9)}
 
 
-def _int_at_least(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} must be an int >= {low}")
-
-
 def state_bytes_per_param(optimizer: str = "adam", precision: str = "mixed") -> dict[str, int]:
     """Bytes per parameter of {"params", "grads", "optimizer_state"} before any sharding."""
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer={optimizer!r} unknown; choose from {list(OPTIMIZER_STATES)}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} unknown; choose from {list(PRECISIONS)}")
+    validation.one_of("optimizer", optimizer, OPTIMIZER_STATES)
+    validation.one_of("precision", precision, PRECISIONS)
     moments = 4 * OPTIMIZER_STATES[optimizer]
     if precision == "mixed":  # 16-bit weights and gradients; the optimizer holds fp32 masters + moments
         return {"params": 2, "grads": 2, "optimizer_state": 4 + moments}
@@ -69,11 +63,9 @@ def state_bytes_per_param(optimizer: str = "adam", precision: str = "mixed") -> 
 
 
 def _sharded(num_params: float, stage: int, world_size: int, optimizer: str, precision: str) -> dict[str, float]:
-    if isinstance(num_params, bool) or not isinstance(num_params, int | float) or not num_params >= 0:
-        raise ValueError(f"num_params={num_params!r} must be a number >= 0")
-    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage={stage!r} must be a ZeRO stage: 0 (plain data parallel), 1, 2 or 3")
-    _int_at_least("world_size", world_size, 1)
+    validation.number("num_params", num_params, low=0)
+    validation.integer("stage", stage, 0, 3, hint="(the ZeRO stage; 0 is plain data parallel)")
+    validation.integer("world_size", world_size, low=1)
     per = state_bytes_per_param(optimizer, precision)
     sharded = {"optimizer_state": stage >= 1, "grads": stage >= 2, "params": stage >= 3}
     return {k: num_params * b / (world_size if sharded[k] else 1) for k, b in per.items()}
@@ -99,14 +91,12 @@ def num_params(config: GPTConfig) -> int:
 def _check_activation_args(config, batch_size, seq_len, dtype_bytes, tensor, mask_bytes) -> int:
     if not isinstance(config, GPTConfig):
         raise ValueError(f"config={config!r} must be a GPTConfig (e.g. GPTConfig.preset('tiny'))")
-    _int_at_least("batch_size", batch_size, 1)
-    T = config.block_size if seq_len is None else seq_len
-    _int_at_least("seq_len", T, 1)
+    validation.integer("batch_size", batch_size, low=1)
+    T = validation.integer("seq_len", config.block_size if seq_len is None else seq_len, low=1)
     if T > config.block_size:
         raise ValueError(f"seq_len={T} > block_size={config.block_size}")
-    for name, v in (("dtype_bytes", dtype_bytes), ("mask_bytes", mask_bytes)):
-        _int_at_least(name, v, 1)
-    _int_at_least("tensor", tensor, 1)
+    for name, v in (("dtype_bytes", dtype_bytes), ("mask_bytes", mask_bytes), ("tensor", tensor)):
+        validation.integer(name, v, low=1)
     if config.n_head % tensor:
         raise ValueError(f"tensor={tensor} does not divide n_head={config.n_head}")
     return T
@@ -220,12 +210,11 @@ def plan(config: GPTConfig, batch_size: int, seq_len: int | None = None, *, stag
     """
     d = dtype_bytes if dtype_bytes is not None else (2 if precision == "mixed" else 4)
     T = _check_activation_args(config, batch_size, seq_len, d, tensor, mask_bytes)
-    _int_at_least("data", data, 1)
-    _int_at_least("pipeline", pipeline, 1)
+    validation.integer("data", data, low=1)
+    validation.integer("pipeline", pipeline, low=1)
     if pipeline > config.n_layer:
         raise ValueError(f"pipeline={pipeline} > n_layer={config.n_layer}: a stage needs at least one block")
-    m = pipeline if micro_batches is None else micro_batches
-    _int_at_least("micro_batches", m, 1)
+    m = validation.integer("micro_batches", pipeline if micro_batches is None else micro_batches, low=1)
     state = _sharded(num_params(config) / (tensor * pipeline), stage, data, optimizer, precision)
     block = sum(block_terms(config, batch_size, T, d, tensor, mask_bytes).values())
     kept = batch_size * T * config.n_embd * d if checkpointing else block

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as td
 
+from llmlab import validation
 from llmlab.memory.measure import SavedActivations
 from llmlab.timeline import Span, Timeline
 
@@ -69,16 +70,14 @@ def bubble_fraction(stages: int, micro_batches: int) -> float:
 
 
 def _check_sizes(stages, micro_batches) -> None:
-    for name, v in (("stages", stages), ("micro_batches", micro_batches)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} must be an int >= 1")
+    validation.integer("stages", stages, low=1)
+    validation.integer("micro_batches", micro_batches, low=1)
 
 
 def schedule(kind: str, stages: int, micro_batches: int) -> list[list[Action]]:
     """Each stage's actions in the order it runs them."""
     _check_sizes(stages, micro_batches)
-    if kind not in SCHEDULES:
-        raise ValueError(f"schedule kind={kind!r}; choose from {SCHEDULES}")
+    validation.one_of("kind", kind, SCHEDULES)
     m = micro_batches
     plans = []
     for s in range(stages):
@@ -101,8 +100,8 @@ def simulate(kind: str, stages: int, micro_batches: int, t_forward: float = 1.0,
     An action starts when its stage is free and its input is there: F(s, i) needs F(s-1, i), B(s, i) needs
     B(s+1, i) (and F(s, i)). Sends are taken as instantaneous.
     """
-    if not (t_forward > 0 and t_backward > 0):
-        raise ValueError(f"t_forward={t_forward} and t_backward={t_backward} must be > 0")
+    validation.positive("t_forward", t_forward)
+    validation.positive("t_backward", t_backward)
     plans = schedule(kind, stages, micro_batches)
     done: dict[tuple[int, str, int], float] = {}
     position, free_at, spans = [0] * stages, [0.0] * stages, []
@@ -131,8 +130,7 @@ def partition(layers: torch.nn.Sequential, stages: int) -> list[torch.nn.Sequent
     """Cut `layers` into `stages` consecutive pieces of (nearly) equal length."""
     if not isinstance(layers, torch.nn.Sequential):
         raise ValueError(f"layers must be a torch.nn.Sequential, got {type(layers).__name__}")
-    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= len(layers):
-        raise ValueError(f"stages={stages!r} must be between 1 and the {len(layers)} layers")
+    validation.integer("stages", stages, 1, len(layers), hint="(at most one stage per layer)")
     bounds = torch.linspace(0, len(layers), stages + 1).round().long().tolist()
     return [layers[bounds[i]:bounds[i + 1]] for i in range(stages)]
 

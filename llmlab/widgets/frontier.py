@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from llmlab import validation
 from llmlab.widgets.base import result_explorer
 
 __all__ = ["MOE_CAPACITY_FACTORS", "moe_routing", "format_moe_routing", "moe_routing_figure", "moe_routing_explorer",
@@ -32,13 +33,12 @@ def moe_routing(num_experts: int = 8, k: int = 2, capacity_factor: float | None 
 
     from llmlab.moe import route
 
-    for name, value, low in (("num_experts", num_experts, 1), ("k", k, 1), ("tokens", tokens, 1), ("shown", shown, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}={value!r} must be an int >= {low}")
-    if k > num_experts:
-        raise ValueError(f"k={k} must be <= num_experts={num_experts}")
-    if capacity_factor is not None and not capacity_factor > 0:
-        raise ValueError(f"capacity_factor={capacity_factor!r} must be > 0, or None (dropless)")
+    validation.integer("num_experts", num_experts, low=1)
+    validation.integer("k", k, 1, num_experts, hint="(experts per token, at most num_experts)")
+    validation.integer("tokens", tokens, low=1)
+    validation.integer("shown", shown, low=0)
+    if capacity_factor is not None:
+        validation.positive("capacity_factor", capacity_factor, hint="(or None: dropless)")
     if not math.isfinite(skew):
         raise ValueError(f"skew={skew!r} must be finite")
     g = torch.Generator().manual_seed(seed)  # its own generator: the notebook's random stream is left alone
@@ -109,10 +109,9 @@ def moe_routing_explorer(num_experts: int = 8, k: int = 2, capacity_factor: floa
     import ipywidgets as w
 
     moe_routing(num_experts, k, capacity_factor, skew, tokens)  # refuse bad defaults before building
-    if capacity_factor not in MOE_CAPACITY_FACTORS:
-        raise ValueError(f"capacity_factor={capacity_factor!r}; the explorer's stops are {MOE_CAPACITY_FACTORS}")
-    if not 1 <= num_experts <= 64 or not 0 <= skew <= 4:
-        raise ValueError(f"num_experts={num_experts} must be in [1, 64] and skew={skew} in [0, 4]")
+    validation.one_of("capacity_factor", capacity_factor, MOE_CAPACITY_FACTORS, hint="(the explorer's stops)")
+    validation.integer("num_experts", num_experts, 1, 64, hint="(for the explorer)")
+    validation.number("skew", skew, 0, 4, hint="(for the explorer)")
     style, layout = {"description_width": "130px"}, w.Layout(width="460px")
     label = lambda cf: "dropless" if cf is None else f"{cf:g}"  # noqa: E731
     labels = {label(cf): cf for cf in MOE_CAPACITY_FACTORS}  # the slider holds the label ('1.25', 'dropless')
@@ -211,17 +210,15 @@ def quant_grid(bits: int = 4, signed: bool = True, step: float | None = None, we
     """
     import torch
 
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 16:
-        raise ValueError(f"bits={bits!r} must be an int in [2, 16]")
-    if not isinstance(signed, bool):
-        raise ValueError(f"signed={signed!r} must be a bool")
+    validation.integer("bits", bits, 2, 16)
+    validation.boolean("signed", signed)
     w = (tiny_gpt_weight() if weights is None else torch.as_tensor(weights).detach().float()).flatten()  # (N,)
     if not w.numel() or not torch.isfinite(w).all() or not w.abs().max() > 0:
         raise ValueError("weights must be a non-empty, finite, not all-zero tensor")
     minmax_step, lsq_step = _minmax(w, bits, signed)[1], _lsq_step(w, bits, signed)
     step = lsq_step if step is None else step
-    if isinstance(step, bool) or not isinstance(step, int | float) or not math.isfinite(step) or not step > 0:
-        raise ValueError(f"step={step!r} must be a positive number")
+    if not math.isfinite(validation.positive("step", step)):
+        raise ValueError(f"step={step!r} must be a finite positive number")
     w_hat, q_min, q_max = _fake_quantize(w, bits, signed, float(step))
     levels = torch.arange(q_min, q_max + 1) * step  # (2^b,)
     bits_range = list(range(2, 9))
@@ -291,8 +288,7 @@ def quant_explorer(bits: int = 4, signed: bool = True, step: float | None = None
     import ipywidgets as w
 
     first = quant_grid(bits, signed, step, weights)  # refuse bad defaults before building
-    if bits > 8:
-        raise ValueError(f"bits={bits} must be in [2, 8] for the explorer")
+    validation.integer("bits", bits, 2, 8, hint="(for the explorer)")
     style, layout = {"description_width": "130px"}, w.Layout(width="460px")
 
     def step_slider(r: dict):
