@@ -36,7 +36,7 @@ BENCHES: dict[str, str] = {
     "compress": "llmlab.memory.compress:bench",
     "zero": "llmlab.memory.zero:bench",
     "moe": "llmlab.moe:bench",
-    "allreduce": "llmlab.dist.bench:bench",
+    "allreduce": "llmlab.dist.allreduce_bench:bench",
 }
 
 

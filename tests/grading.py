@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from llmlab.exercises.checks import ExerciseFailed
+from llmlab.checks import ExerciseFailed
 
 
 def passes(check, *answers, capsys):

@@ -18,8 +18,8 @@ import pytest
 import torch
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
+from llmlab.checks import ExerciseFailed, Mismatch, Result, assert_close, check, not_attempted
 from llmlab.exercises import grade, notebooks
-from llmlab.exercises.checks import ExerciseFailed, Mismatch, Result, assert_close, check, not_attempted
 
 FIXTURE = Path(__file__).parent / "fixtures" / "exercises_project"
 SOLUTIONS = {"01_softmax.ipynb": ["1.1", "1.2"], "02_cross_entropy.ipynb": ["2.1"]}

@@ -13,7 +13,7 @@ from llmlab.dist import Grid
 from llmlab.dist.collectives import chunk_sizes
 from llmlab.memory import planner
 from llmlab.memory.zero import ZeRO, measure_zero
-from llmlab.parallel.data import buckets
+from llmlab.parallel.ddp import buckets
 
 STEPS, BATCH, LR, WD = 3, 12, 1e-2, 0.1  # 12 rows split evenly over 2, 3 and 4 ranks
 
@@ -219,7 +219,7 @@ def _torch_zero(world):
     """torch.distributed.optim.ZeroRedundancyOptimizer over AdamW, gradients averaged by our DataParallel."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from llmlab.parallel.data import DataParallel
+    from llmlab.parallel.ddp import DataParallel
 
     grid = Grid(dp=world, ranks=range(world))
     if not grid.member:
@@ -324,7 +324,7 @@ def test_measure_zero_against_the_papers_formulas(cluster):
 
 @pytest.mark.parametrize("stage", [4, -1, 1.5, True, "1", None])
 def test_a_stage_other_than_0_to_3_is_refused(stage):
-    with pytest.raises(ValueError, match=r"stage=.* must be a ZeRO stage: 0 \(plain data parallel\), 1, 2 or 3"):
+    with pytest.raises(ValueError, match=r"stage=.* must be an int in \[0, 3\] \(the ZeRO stage; 0 is plain data"):
         ZeRO(torch.nn.Linear(2, 2), stage)
 
 

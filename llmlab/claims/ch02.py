@@ -10,7 +10,7 @@ from llmlab import dist, precision
 from llmlab.claims import Measurement, here, register
 from llmlab.data import MarkovSource, SyntheticDataset
 from llmlab.model import GPT, GPTConfig
-from llmlab.parallel.data import DataParallel
+from llmlab.parallel.ddp import DataParallel
 from llmlab.parallel.tensor import ColumnParallelLinear
 
 __all__ = ["data_parallel", "column_parallel", "three_times_faster", "loss_scaling"]

@@ -9,7 +9,7 @@ import torch
 
 from llmlab import accumulate
 from llmlab.claims import Measurement, here, register
-from llmlab.dist import bench as allreduce_bench
+from llmlab.dist import allreduce_bench
 
 __all__ = ["ring_bandwidth_tree_latency", "snippet_scaling"]
 

@@ -1,8 +1,8 @@
-"""Exercises that grade themselves: one source in solutions/, generated exercises/, checks and a grader.
+"""Exercise notebooks: one source in solutions/, generated exercises/, and a grader.
 
 - :mod:`llmlab.exercises.notebooks`: ``llmlab exercises build|check``, writing exercises/ from solutions/;
-- :mod:`llmlab.exercises.checks`: the checker base every chapter's checks (``llmlab.exercises.chNN``) use;
 - :mod:`llmlab.exercises.grade`: ``llmlab grade NOTEBOOK``, executing a notebook and reporting each exercise.
 
-Nothing is imported here, so ``import llmlab.exercises`` stays cheap (the checks import torch).
+The checks each exercise's check cell calls live in :mod:`llmlab.checks` (one module per chapter).
+Nothing is imported here, so ``import llmlab.exercises`` stays cheap.
 """

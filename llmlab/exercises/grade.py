@@ -6,7 +6,7 @@ not stop the run (``allow_errors``), so a broken exercise does not hide the ones
 bounds the whole run, kernel start included: when it expires the run stops and the exercises not yet checked
 say so.
 
-Each check (:mod:`llmlab.exercises.checks`) leaves a machine-readable ``application/vnd.llmlab.check+json``
+Each check (:mod:`llmlab.checks`) leaves a machine-readable ``application/vnd.llmlab.check+json``
 record in its cell's outputs; the grader reads those, not the printed text. The exercises are the headings
 ``### Exercise N.M: Title`` (found as in :mod:`llmlab.exercises.notebooks`), and each gets one status:
 
@@ -29,7 +29,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
-from llmlab.exercises.checks import FAILED, MIME_TYPE, NOT_ATTEMPTED, PASSED
+from llmlab.checks import FAILED, MIME_TYPE, NOT_ATTEMPTED, PASSED
 from llmlab.exercises.notebooks import cell_exercises, read_notebook
 
 ERROR = "error"

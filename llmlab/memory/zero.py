@@ -68,13 +68,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as td
 
-from llmlab import dist
+from llmlab import dist, validation
 from llmlab.data import MarkovSource, SyntheticDataset
 from llmlab.dist.commlog import CommLog
 from llmlab.dist.grid import Grid
 from llmlab.memory import measure, planner
 from llmlab.model import GPT, GPTConfig
-from llmlab.parallel.data import DataParallel, buckets
+from llmlab.parallel.ddp import DataParallel, buckets
 
 __all__ = ["ZeRO", "measure_zero", "bench"]
 
@@ -125,8 +125,7 @@ class ZeRO(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, stage: int, *, lr: float = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, group=None, bucket_mb: float = 25.0, units=None):
         super().__init__()
-        if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage={stage!r} must be a ZeRO stage: 0 (plain data parallel), 1, 2 or 3")
+        validation.integer("stage", stage, 0, 3, hint="(the ZeRO stage; 0 is plain data parallel)")
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not (isinstance(lr, int | float) and lr >= 0):
@@ -427,10 +426,8 @@ def measure_zero(stage: int, world_size: int, *, preset: str = "tiny", steps: in
     - `peak_param_bytes` (stage 3): parameter storage alive at the start of a layer's forward, the shards
       included, vs `full_param_bytes` = 4Ψ.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be an int >= 1")
-    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage={stage!r} must be a ZeRO stage: 0 (plain data parallel), 1, 2 or 3")
+    validation.integer("world_size", world_size, low=1)
+    validation.integer("stage", stage, 0, 3, hint="(the ZeRO stage; 0 is plain data parallel)")
     if batch_size % world_size:
         raise ValueError(f"world_size={world_size} does not divide batch_size={batch_size}")
     if cluster is not None and cluster.world_size < world_size:

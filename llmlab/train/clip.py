@@ -72,8 +72,7 @@ def clip_grad_norm(parameters, max_norm: float, norm_type: float = 2.0,
 
     `parameters` is a tensor or an iterable of tensors; those whose `.grad` is None are skipped.
     """
-    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float) or not max_norm > 0:
-        raise ValueError(f"max_norm={max_norm!r} must be a number > 0")
+    validation.positive("max_norm", max_norm)
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     total = grad_norm(parameters, norm_type, error_if_nonfinite)
     scale_to_norm(_grads(parameters), total, max_norm)

@@ -29,26 +29,21 @@ from __future__ import annotations
 
 import math
 
+from llmlab import validation
+
 __all__ = ["DECAYS", "WARMUP_FORMULAS", "warmup_cosine_lr", "material_warmup_lr", "LRSchedule"]
 
 DECAYS = ("cosine", "constant")
 WARMUP_FORMULAS = ("shifted", "material")  # (step + 1) / warmup, and the material's step / warmup
 
 
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
-
-
 def _check(base_lr: float, total_steps: int, warmup: int, min_lr: float) -> None:
-    if isinstance(base_lr, bool) or not isinstance(base_lr, int | float) or not base_lr > 0:
-        raise ValueError(f"base_lr={base_lr!r} must be a number > 0")
-    _check_int("total_steps", total_steps, 1)
-    _check_int("warmup", warmup, 0)
+    validation.positive("base_lr", base_lr)
+    validation.integer("total_steps", total_steps, low=1)
+    validation.integer("warmup", warmup, low=0)
     if warmup > total_steps:
         raise ValueError(f"warmup={warmup} must be <= total_steps={total_steps}")
-    if isinstance(min_lr, bool) or not isinstance(min_lr, int | float) or not 0 <= min_lr <= base_lr:
-        raise ValueError(f"min_lr={min_lr!r} must be a number in [0, base_lr={base_lr}]")
+    validation.number("min_lr", min_lr, 0, base_lr, hint="(base_lr is the top)")
 
 
 def warmup_cosine_lr(step: int, base_lr: float, warmup: int, total_steps: int, min_lr: float = 0.0) -> float:
@@ -58,7 +53,7 @@ def warmup_cosine_lr(step: int, base_lr: float, warmup: int, total_steps: int, m
     Warmup uses (step + 1) / warmup, so update 0 is not wasted (see the module docstring).
     """
     _check(base_lr, total_steps, warmup, min_lr)
-    _check_int("step", step, 0)
+    validation.integer("step", step, low=0)
     if step < warmup:
         return base_lr * (step + 1) / warmup
     span = total_steps - 1 - warmup  # updates warmup..total_steps-1 carry the decay
@@ -69,7 +64,7 @@ def warmup_cosine_lr(step: int, base_lr: float, warmup: int, total_steps: int, m
 def material_warmup_lr(step: int, base_lr: float, warmup: int) -> float:
     """The material's formula verbatim, `base_lr * min(step / warmup, 1)`: 0 at update 0."""
     _check(base_lr, max(warmup, 1), warmup, 0.0)
-    _check_int("step", step, 0)
+    validation.integer("step", step, low=0)
     return base_lr * min(step / warmup, 1.0) if warmup else base_lr
 
 

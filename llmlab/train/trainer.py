@@ -41,10 +41,10 @@ import torch
 import torch.distributed as td
 from tqdm.auto import tqdm
 
-from llmlab import runtime
+from llmlab import runtime, validation
 from llmlab.data import MarkovSource, SyntheticDataset
 from llmlab.model import GPT, PRESETS, GPTConfig
-from llmlab.parallel.data import DataParallel
+from llmlab.parallel.ddp import DataParallel
 from llmlab.precision import PRECISIONS, DynamicLossScaler, autocast
 from llmlab.presets import from_preset
 from llmlab.train import state as state_file
@@ -81,12 +81,10 @@ class TrainConfig:
         for name, minimum in (("steps", 1), ("batch_size", 1), ("block_size", 1), ("warmup", 0),
                               ("accumulation", 1), ("seed", 0), ("log_interval", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+            validation.integer(name, value, low=minimum)
         for name in ("lr", "min_lr", "weight_decay") + (("grad_clip",) if self.grad_clip is not None else ()):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise ValueError(f"{name}={value!r} must be a number >= 0")
+            validation.number(name, value, low=0)
         if not self.lr > 0:
             raise ValueError(f"lr={self.lr!r} must be > 0")
         if self.grad_clip is not None and not self.grad_clip > 0:
@@ -120,7 +118,7 @@ class Trainer:
     """Train `model` (default: `build_model()`) on `dataset` (default: `build_dataset()`) per `config`.
 
     `data_parallel=True` (needs torch.distributed initialised: `llmlab.dist.spawn`, `Cluster`, or
-    `dist.init_from_env()` under torchrun) wraps the model in `llmlab.parallel.data.DataParallel` over `group`
+    `dist.init_from_env()` under torchrun) wraps the model in `llmlab.parallel.ddp.DataParallel` over `group`
     (default: all ranks); the dataset must then give each rank its rows (`SyntheticDataset(rank=, world_size=)`,
     which `build_dataset` does). `history` holds every update's metrics, with "step".
     """
@@ -250,9 +248,8 @@ class Trainer:
         """Run `steps` more updates (default: until `config.steps`), with a progress bar; return `history`."""
         remaining = self.config.steps - self.step_count
         steps = remaining if steps is None else steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= remaining:
-            raise ValueError(f"steps={steps!r} must be an int in [0, {remaining}] (config.steps="
-                             f"{self.config.steps}, {self.step_count} done)")
+        validation.integer("steps", steps, 0, remaining,
+                           hint=f"(config.steps={self.config.steps}, {self.step_count} done)")
         bar = tqdm(total=self.config.steps, initial=self.step_count, desc="train", unit="step",
                    disable=not self.progress or self.rank != 0)
         with bar:

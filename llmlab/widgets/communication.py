@@ -21,7 +21,7 @@ def allreduce_cost(n: int, nbytes: float, link: str = "nvlink4", alpha: float | 
     """The α-β model's ring and tree all-reduce of `nbytes` on `n` ranks over `link`.
 
     `link` is a key of `llmlab.dist.cost.LINKS` or of `links` (more `cost.Link`s, e.g. this machine's fitted one,
-    `llmlab.dist.bench.AllReduceRun.link()`); `alpha` (seconds per message) replaces the link's α when given.
+    `llmlab.dist.allreduce_bench.AllReduceRun.link()`); `alpha` (seconds per message) replaces the link's α when given.
     Returns a dict: ring_s and tree_s (`cost.ring_allreduce_time`, `cost.tree_allreduce_time`), their bus
     bandwidths (nccl-tests' definition, bytes/s), crossover_bytes (below it the tree is faster), faster
     ('ring' or 'tree'), and the inputs with the link's name, α and β.
@@ -87,7 +87,7 @@ def allreduce_cost_explorer(n: int = 8, nbytes: float = 256 * 2**20, link: str =
                             alpha: float | None = None, measured: dict | None = None, links: dict | None = None):
     """An all-reduce cost widget: ranks N, message size, link (`cost.LINKS`, plus `links`) and α → the predicted
     ring and tree times, bus bandwidths and crossover (`allreduce_cost`), drawn with `measured` points overlaid
-    (e.g. `llmlab.dist.bench.AllReduceRun.measured()`). Choosing a link sets α to the link's own; the α slider
+    (e.g. `llmlab.dist.allreduce_bench.AllReduceRun.measured()`). Choosing a link sets α to the link's own; the α slider
     then explores other latencies. `.result` (HTML) holds `format_allreduce_cost(...)`, `.plot` (an Image) the
     figure, `.controls` the controls.
     """

@@ -141,7 +141,7 @@ def roofline_explorer(m: int = 512, n: int = 2304, k: int = 768, dtype: str = "b
     """A roofline widget: m, n, k sliders (1, 1.5, 2, 3, 4, 6, … 65536), element type and GPU → the GEMM on that roof.
 
     The GPUs are the spec sheet's (peak of the element type's precision, HBM bandwidth); `devices` adds more
-    roofs by name → (peak FLOP/s, bandwidth B/s), e.g. this machine measured by `llmlab.hardware.measure()`,
+    roofs by name → (peak FLOP/s, bandwidth B/s), e.g. this machine measured by `llmlab.hardware.machine()`,
     used for every element type. `.result` (HTML) holds `format_roofline(...)`, `.plot` (an Image widget) the
     figure; `.controls` maps argument names to the controls.
     """

@@ -5,7 +5,7 @@ It imports what it needs (torch, llmlab.model) inside its functions.
 
 from __future__ import annotations
 
-from llmlab import flops
+from llmlab import flops, validation
 from llmlab.hardware import SPECS
 from llmlab.widgets.base import count, gpu_spec, result_explorer
 
@@ -59,8 +59,7 @@ def memory_plan(model: str = "GPT-3 6.7B", batch_size: int = 1, seq_len: int | N
     T = config.block_size if seq_len is None else seq_len
     by_stage = {s: planner.plan(config, batch_size, T, stage=s, data=data, tensor=tensor,
                                 checkpointing=checkpointing) for s in range(4)}
-    if isinstance(stage, bool) or stage not in by_stage:
-        raise ValueError(f"stage={stage!r} must be a ZeRO stage: 0 (plain data parallel), 1, 2 or 3")
+    validation.integer("stage", stage, 0, 3, hint="(the ZeRO stage; 0 is plain data parallel)")
     p, memory = by_stage[stage], spec.memory_gb * 1e9
     return {"model": model, "config": config, "num_params": planner.num_params(config), "batch_size": batch_size,
             "seq_len": T, "stage": stage, "data": data, "checkpointing": checkpointing, "tensor": tensor,

@@ -8,7 +8,7 @@
 (`python -m llmlab.train …` is the same command.) The world is dp × tp ranks laid out by llmlab.dist.Grid: rank g
 is tensor-parallel rank g % tp of data-parallel replica g // tp. What each flag composes, all from the library:
 
-    (world size)   Trainer(data_parallel=True): llmlab.parallel.data.DataParallel over the dp ranks
+    (world size)   Trainer(data_parallel=True): llmlab.parallel.ddp.DataParallel over the dp ranks
     --zero S       llmlab.memory.zero.ZeRO stage S over the dp ranks (its own AdamW on shards)
     --tp N         llmlab.parallel.tensor.ParallelBlock for every block (Megatron attention + MLP)
     --checkpoint   llmlab.memory.checkpoint.checkpointed(blocks)      --compress8   compressed_activations(8)

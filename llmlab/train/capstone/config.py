@@ -165,7 +165,7 @@ def _check_flag(f, value) -> None:
     if choices is not None and value not in choices and not (value is None and f.default is None):
         raise ValueError(f"{flag} {value!r}: choose from {choices}")
     if low is not None and value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                                  or value < low):
+                                                  or value < low):  # a flag's wording: "--steps 0", not "steps=0"
         raise ValueError(f"{flag} {value!r} must be an int >= {low}")
 
 

@@ -1,4 +1,4 @@
-"""Chapter 4's exercise checks (llmlab.exercises.ch04): each passes a right answer, reports an unwritten one as
+"""Chapter 4's exercise checks (llmlab.checks.ch04): each passes a right answer, reports an unwritten one as
 not attempted (for the ring, a NotImplementedError raised on the ranks), and fails a plausible wrong answer with a
 message naming the mistake — an off-by-one chunk index, a missing step, a missing division — and the hint.
 
@@ -12,9 +12,9 @@ import torch
 import torch.distributed as td
 from grading import fails, not_attempted, passes
 
+from llmlab.checks import ch04
 from llmlab.dist import cost
 from llmlab.dist.commlog import exchange
-from llmlab.exercises import ch04
 
 
 @pytest.fixture(scope="module", autouse=True)

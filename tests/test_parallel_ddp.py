@@ -5,7 +5,7 @@ import torch
 
 from llmlab import dist
 from llmlab.dist import Grid
-from llmlab.parallel.data import DataParallel, buckets
+from llmlab.parallel.ddp import DataParallel, buckets
 
 STEPS, BATCH = 3, 8
 

@@ -1,7 +1,7 @@
 """Checks for chapter 3's exercises (solutions/03_memory.ipynb): ZeRO-1's sharded AdamW step, activation
 checkpointing from scratch, and 8-bit saved-tensor hooks.
 
-    from llmlab.exercises import ch03 as check
+    from llmlab.checks import ch03 as check
     check.adamw_shard_step(adamw_shard_step)    # 3.1, on 2, 3 and 4 gloo ranks
     check.checkpoint(checkpoint)                # 3.2
     check.pack_hooks(pack_8bit, unpack_8bit)    # 3.3
@@ -31,9 +31,8 @@ import dataclasses
 import math
 import random
 
-from llmlab import dist
-from llmlab.exercises import checks
-from llmlab.exercises.checks import Mismatch, assert_close, check, fresh_rng
+from llmlab import checks, dist
+from llmlab.checks import Mismatch, assert_close, check, fresh_rng
 
 __all__ = ["adamw_shard_step", "checkpoint", "pack_hooks", "close", "WORLD_SIZES", "MAX_BYTES_RATIO",
            "GRAD_ERROR_FACTOR", "stored_bytes"]

@@ -16,7 +16,7 @@ From the times it fits the α-β model (`cost.fit_alpha_beta`): α and β per al
 tree together — the model's premise is one link, two algorithms — from which the model predicts where the
 tree stops being faster (`cost.crossover_bytes`); the measured crossover is read off the curves:
 
-    from llmlab.dist import bench
+    from llmlab.dist import allreduce_bench
     run = bench.measure(sizes=[1024, 65536, 4 << 20], world_size=4)   # or cluster=an open dist.Cluster(4)
     run.crossover(), run.predicted_crossover(), run.link_fit()
     print(llmlab.tables.format_table(run.rows()))
@@ -100,7 +100,7 @@ class AllReduceRun:
         """This machine's link as the α-β model sees it (`link_fit`), for `cost`'s formulas and the widget."""
         f = self.link_fit()
         return cost.Link(f.alpha, f.beta, f"this machine ({self.world_size} {self.backend} ranks, fitted)",
-                         "α and β fitted to ring and tree all-reduce timings by llmlab.dist.bench")
+                         "α and β fitted to ring and tree all-reduce timings by llmlab.dist.allreduce_bench")
 
     def measured(self) -> dict[str, list[tuple[int, float]]]:
         """{label: [(bytes, seconds), ...]} per implementation: the points `widgets.allreduce_cost_explorer` draws."""

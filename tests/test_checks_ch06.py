@@ -1,4 +1,4 @@
-"""Chapter 6's exercise checks (llmlab.exercises.ch06): each passes a right answer, reports an unwritten one as not
+"""Chapter 6's exercise checks (llmlab.checks.ch06): each passes a right answer, reports an unwritten one as not
 attempted, and fails each plausible wrong answer with a message naming the mistake — the material's warmup, a
 decay to 0, per-tensor clipping, the norm after clipping, clipping before unscaling — and the hint.
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from grading import fails, not_attempted, passes
 
-from llmlab.exercises import ch06
+from llmlab.checks import ch06
 from llmlab.train.clip import clip_grad_norm
 from llmlab.train.schedule import material_warmup_lr, warmup_cosine_lr
 

@@ -1,4 +1,4 @@
-"""Chapter 2's exercise checks (llmlab.exercises.ch02): each passes the reference answer, reports an unwritten answer
+"""Chapter 2's exercise checks (llmlab.checks.ch02): each passes the reference answer, reports an unwritten answer
 (a NotImplementedError, raised on the ranks for the multi-rank checks) as not attempted, and fails a plausible wrong
 answer with a message naming the mistake and the hint. The multi-rank checks share ch02's one Cluster(4)."""
 
@@ -9,7 +9,7 @@ import torch.distributed as td
 import torch.nn.functional as F
 from grading import fails, not_attempted, passes
 
-from llmlab.exercises import ch02
+from llmlab.checks import ch02
 
 
 @pytest.fixture(scope="module", autouse=True)

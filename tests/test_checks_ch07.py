@@ -1,4 +1,4 @@
-"""Chapter 7's exercise check (llmlab.exercises.ch07): the fixed training script passes, the starter fails naming
+"""Chapter 7's exercise check (llmlab.checks.ch07): the fixed training script passes, the starter fails naming
 all five planted faults, each fault left alone is named precisely, an unwritten script reads not attempted, and a
 script that breaks the contract (wrong reported losses, too many steps, too slow, too little training) fails saying
 so.
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from grading import fails, not_attempted, passes
 
-from llmlab.exercises import ch07
+from llmlab.checks import ch07
 
 HINT = "fix one fault at a time"
 

@@ -1,6 +1,6 @@
 """Checks for chapter 4's exercises (solutions/04_communication.ipynb): the ring's two halves, accumulation, α-β.
 
-    from llmlab.exercises import ch04 as check
+    from llmlab.checks import ch04 as check
     check.ring_reduce_scatter(ring_reduce_scatter)    # 4.1, on 2–5 gloo ranks
     check.ring_all_gather(ring_all_gather)            # 4.2, on 2–5 gloo ranks
     check.accumulate(accumulate)                      # 4.3
@@ -22,7 +22,7 @@ In the all-gather, chunk c of rank r's input is filled with tags naming (r, c), 
 is named the same way.
 
 A learner's `NotImplementedError` raised on a rank comes back as a `RankError` and reads "not attempted yet"
-(`llmlab.exercises.checks`). A function that deadlocks (a rank waiting for a message nobody sends) is stopped
+(`llmlab.checks`). A function that deadlocks (a rank waiting for a message nobody sends) is stopped
 after `TIMEOUT_S` and reported as such; the next check starts fresh ranks.
 """
 
@@ -32,9 +32,8 @@ import math
 import random
 import re
 
-from llmlab import dist
-from llmlab.exercises import checks
-from llmlab.exercises.checks import Mismatch, assert_close, check, fresh_rng
+from llmlab import checks, dist
+from llmlab.checks import Mismatch, assert_close, check, fresh_rng
 
 __all__ = ["ring_reduce_scatter", "ring_all_gather", "accumulate", "ring_time", "close", "WORLD_SIZES",
            "TIMEOUT_S"]

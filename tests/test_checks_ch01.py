@@ -1,4 +1,4 @@
-"""Chapter 1's exercise checks (llmlab.exercises.ch01): each passes the reference answer, reports an unwritten
+"""Chapter 1's exercise checks (llmlab.checks.ch01): each passes the reference answer, reports an unwritten
 answer as not attempted, and fails a plausible wrong answer with a message naming the mistake and the hint."""
 
 
@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 from grading import fails, not_attempted, passes
 
-from llmlab.exercises import ch01
+from llmlab.checks import ch01
 
 
 def unwritten(*args):

@@ -1,7 +1,7 @@
 """Checks for chapter 2's exercises (solutions/02_parallelism.ipynb): DDP's gradient averaging, Megatron's
 column-parallel linear layer (forward and backward), and the dynamic loss scaler's update rule.
 
-    from llmlab.exercises import ch02 as check
+    from llmlab.checks import ch02 as check
     check.average_gradients(average_gradients)            # 2.1, on 4 ranks
     check.column_parallel_linear(column_parallel_linear)  # 2.2, on 4 ranks
     check.update_scale(update_scale)                      # 2.3, against torch.amp.GradScaler
@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import random
 
-from llmlab import dist
-from llmlab.exercises import checks
-from llmlab.exercises.checks import Mismatch, assert_close, check, fresh_rng
+from llmlab import checks, dist
+from llmlab.checks import Mismatch, assert_close, check, fresh_rng
 
 __all__ = ["average_gradients", "column_parallel_linear", "update_scale", "cluster", "close_cluster", "WORLD_SIZE",
            "PARTITIONS"]

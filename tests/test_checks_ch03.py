@@ -1,4 +1,4 @@
-"""Chapter 3's exercise checks (llmlab.exercises.ch03): each passes the reference answer, reports an unwritten answer
+"""Chapter 3's exercise checks (llmlab.checks.ch03): each passes the reference answer, reports an unwritten answer
 (a NotImplementedError, raised on the ranks for 3.1) as not attempted, and fails a plausible wrong answer with a
 message naming the mistake and the hint. 3.1 runs on ch03's one Cluster(4), shared by the tests here."""
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from grading import fails, not_attempted, passes
 
-from llmlab.exercises import ch03
+from llmlab.checks import ch03
 from llmlab.memory.measure import is_parameter
 
 

@@ -1,6 +1,6 @@
 """Checks for chapter 6's exercises (solutions/06_tuning.ipynb): the LR schedule, clipping, and one whole update.
 
-    from llmlab.exercises import ch06 as check
+    from llmlab.checks import ch06 as check
     check.lr_at(lr_at)                          # 6.1: (step, peak_lr, warmup, total, min_lr) -> the LR of update step
     check.clip_grad_norm(clip_grad_norm)        # 6.2: (parameters, max_norm) -> the norm before clipping
     check.scaled_step(scaled_step)              # 6.3: (model, optimizer, scaler, loss_fn, batches, max_norm) -> stepped
@@ -29,8 +29,8 @@ from __future__ import annotations
 import math
 import random
 
-from llmlab.exercises.ch04 import accumulation_case, micro_batch_mse
-from llmlab.exercises.checks import Mismatch, assert_close, check, fresh_rng
+from llmlab.checks import Mismatch, assert_close, check, fresh_rng
+from llmlab.checks.ch04 import accumulation_case, micro_batch_mse
 
 __all__ = ["lr_at", "clip_grad_norm", "scaled_step"]
 

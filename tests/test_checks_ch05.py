@@ -1,4 +1,4 @@
-"""Chapter 5's exercise checks (llmlab.exercises.ch05): each passes a right answer, reports an unwritten one as not
+"""Chapter 5's exercise checks (llmlab.checks.ch05): each passes a right answer, reports an unwritten one as not
 attempted, and fails each named mistake — the FP32 column, a forward-only step, MFU left out; Gb/s read as GB/s,
 NVLink's two directions added, the ring's 2(n−1)/n factor left out, 4-byte gradients; communication overlapped,
 TP all-reduces miscounted, links swapped, hours for days — with its message and the hint."""
@@ -9,8 +9,8 @@ import pytest
 import torch
 from grading import fails, not_attempted, passes
 
+from llmlab.checks import ch05
 from llmlab.dist import cost
-from llmlab.exercises import ch05
 from llmlab.hardware import SPECS, cluster
 
 

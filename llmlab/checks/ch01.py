@@ -1,6 +1,6 @@
 """Checks for chapter 1's exercises (solutions/01_compute.ipynb): FLOPs, the roofline, a Triton K loop, MFU.
 
-    from llmlab.exercises import ch01 as check
+    from llmlab.checks import ch01 as check
     check.block_flops(block_flops)              # 1.1
     check.gemm_roofline(gemm_roofline)          # 1.2
     check.gemm_k_loop(matmul_kernel)            # 1.3 (a @triton.jit kernel, launched here)
@@ -19,7 +19,7 @@ import math
 import random
 import textwrap
 
-from llmlab.exercises.checks import Mismatch, assert_close, check, fresh_rng, number
+from llmlab.checks import Mismatch, assert_close, check, fresh_rng, number
 
 __all__ = ["block_flops", "gemm_roofline", "gemm_k_loop", "implied_mfu", "K_LOOP_BLOCKS", "k_loop_shapes"]
 

@@ -1,6 +1,6 @@
 """Checks for chapter 8's exercises (solutions/08_frontier.ipynb): LoRA, the top-2 router, LSQ's step gradient.
 
-    from llmlab.exercises import ch08 as check
+    from llmlab.checks import ch08 as check
     check.lora_linear(LoRA)                     # 8.1: a class LoRA(base, r, alpha), an nn.Module
     check.top2_router(top2_route)               # 8.2: logits (T, E) -> (expert, gate, balance_loss)
     check.lsq(lsq_fake_quantize)                # 8.3: (v, step, bits) -> v̂, differentiable in v and step
@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 
-from llmlab.exercises.checks import Mismatch, assert_close, check, fresh_rng
+from llmlab.checks import Mismatch, assert_close, check, fresh_rng
 
 __all__ = ["lora_linear", "top2_router", "lsq", "lsq_inputs"]
 

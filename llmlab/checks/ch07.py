@@ -1,6 +1,6 @@
 """Checks for chapter 7's exercise (solutions/07_troubleshooting.ipynb): find the bugs in a training script.
 
-    from llmlab.exercises import ch07 as check
+    from llmlab.checks import ch07 as check
     check.find_the_bugs(train)    # 7.1
 
 The learner's `train(model, batches, steps, accum_steps) -> list[float]` trains `model` (llmlab's GPT interface:
@@ -36,7 +36,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from llmlab.exercises.checks import Mismatch, check
+from llmlab.checks import Mismatch, check
 
 __all__ = ["find_the_bugs", "batches_of", "FAULTS", "TARGET_GAP", "TRAIN_STEPS", "TIMEOUT_S"]
 

@@ -1,6 +1,6 @@
 """Checks for chapter 5's exercises (solutions/05_hardware.ipynb): a step's compute, its all-reduce, a run's days.
 
-    from llmlab.exercises import ch05 as check
+    from llmlab.checks import ch05 as check
     check.compute_seconds(compute_seconds)                  # 5.1
     check.allreduce_seconds(gradient_allreduce_seconds)     # 5.2
     check.training_time(training_time)                      # 5.3
@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import random
 
-from llmlab.exercises.checks import Mismatch, check, fresh_rng, number
+from llmlab.checks import Mismatch, check, fresh_rng, number
 
 __all__ = ["compute_seconds", "allreduce_seconds", "training_time", "UNITS", "link_quote", "training_cases"]
 

@@ -1,5 +1,5 @@
-"""llmlab.dist.bench (the allreduce bench), llmlab.dist.trace (the ring step by step, traffic per rank) and the
-all-reduce cost widget's pure functions. Shapes and arithmetic only: nothing here asserts a speed (README,
+"""llmlab.dist.allreduce_bench, llmlab.dist.trace (the ring step by step, traffic per rank) and the all-reduce
+cost widget's pure functions. Shapes and arithmetic only: nothing here asserts a speed (README,
 "Tests": speed is measured by `llmlab bench`)."""
 
 import json
@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 
 from llmlab import bench as benches  # noqa: E402
 from llmlab import dist, widgets  # noqa: E402
-from llmlab.dist import bench, cost, trace  # noqa: E402
+from llmlab.dist import allreduce_bench, cost, trace  # noqa: E402
 
 SIZES = [1024, 16384]  # two small sizes: enough to fit α and β
 
@@ -26,12 +26,13 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def run():
-    return bench.measure(SIZES, world_size=2, repeats=2, span_s=0.002)
+    return allreduce_bench.measure(SIZES, world_size=2, repeats=2, span_s=0.002)
 
 
 def test_a_tiny_run_gives_well_formed_rows_and_a_record(run):
     assert (run.world_size, run.backend, run.sizes, run.repeats) == (2, "gloo", tuple(SIZES), 2)
-    assert set(run.seconds) == set(bench.IMPLS) and all(len(t) == 2 and min(t) > 0 for t in run.seconds.values())
+    assert set(run.seconds) == set(allreduce_bench.IMPLS)
+    assert all(len(t) == 2 and min(t) > 0 for t in run.seconds.values())
     rows = run.rows()
     timed = [r for r in rows if "size" in r]
     assert [(r["impl"], r["size"]) for r in timed] == [("ring", 1024), ("tree", 1024), ("ring", 16384),
@@ -51,8 +52,8 @@ def test_a_tiny_run_gives_well_formed_rows_and_a_record(run):
     record = benches.record("allreduce", rows)
     assert record["sizes"] == SIZES and record["results"] == rows
     json.dumps(record)  # JSON-ready
-    assert benches.get("allreduce") is bench.bench
-    assert bench.recent(2) is run
+    assert benches.get("allreduce") is allreduce_bench.bench
+    assert allreduce_bench.recent(2) is run
 
 
 def test_fits_and_crossover_follow_the_model():
@@ -61,7 +62,7 @@ def test_fits_and_crossover_follow_the_model():
     seconds = {"ring": tuple(cost.ring_allreduce_time(s, n, alpha, beta) for s in sizes),
                "tree": tuple(cost.tree_allreduce_time(s, n, alpha, beta) for s in sizes)}
     seconds["torch"] = seconds["ring"]
-    model = bench.AllReduceRun(n, "gloo", sizes, seconds, 1)
+    model = allreduce_bench.AllReduceRun(n, "gloo", sizes, seconds, 1)
     link = model.link_fit()
     assert (link.alpha, link.beta) == (pytest.approx(alpha), pytest.approx(beta)) and link.residual < 1e-9
     assert model.fit("tree").alpha == pytest.approx(alpha)
@@ -72,8 +73,9 @@ def test_fits_and_crossover_follow_the_model():
     assert model.crossover() == pytest.approx(predicted, rel=0.1)
     assert (model.faster(0), model.faster(-1)) == ("tree", "ring")
     assert model.link().alpha == pytest.approx(alpha)
-    assert list(model.measured()) == [f"{impl} (measured, 4 ranks)" for impl in bench.IMPLS]
-    faster_ring = bench.AllReduceRun(n, "gloo", sizes, {**seconds, "tree": tuple(2 * t for t in seconds["ring"])}, 1)
+    assert list(model.measured()) == [f"{impl} (measured, 4 ranks)" for impl in allreduce_bench.IMPLS]
+    slower_tree = {**seconds, "tree": tuple(2 * t for t in seconds["ring"])}
+    faster_ring = allreduce_bench.AllReduceRun(n, "gloo", sizes, slower_tree, 1)
     assert faster_ring.crossover() is None
 
 
@@ -82,7 +84,7 @@ def test_fits_and_crossover_follow_the_model():
                                         (dict(repeats=0), "repeats")])
 def test_measure_refuses_bad_arguments(bad, match):
     with pytest.raises(ValueError, match=match):
-        bench.measure(**{"sizes": SIZES, **bad})
+        allreduce_bench.measure(**{"sizes": SIZES, **bad})
 
 
 def test_the_ring_recorded_step_by_step(cluster):

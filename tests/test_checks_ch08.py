@@ -1,4 +1,4 @@
-"""Chapter 8's exercise checks (llmlab.exercises.ch08): each passes the reference answer, reports an unwritten
+"""Chapter 8's exercise checks (llmlab.checks.ch08): each passes the reference answer, reports an unwritten
 answer as not attempted, and fails a plausible wrong answer with a message naming the mistake and the hint."""
 
 import math
@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from grading import fails, not_attempted, passes
 
-from llmlab.exercises import ch08
+from llmlab.checks import ch08
 
 
 @pytest.fixture(autouse=True)
