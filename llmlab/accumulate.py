@@ -27,9 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as td
 
-from llmlab import validation
+from llmlab import dist, validation
 from llmlab.dist.collectives import ring_all_reduce
+from llmlab.dist.commlog import CommLog
 
 __all__ = ["accumulate_gradients", "data_parallel_accumulate", "NoSyncBytes", "DEMO_MICRO_BATCHES", "demo_model",
            "demo_batches", "demo_loss", "measure_no_sync", "recent_no_sync"]
@@ -140,10 +142,6 @@ def demo_loss(model, batch):
 
 
 def _no_sync_on_rank(micro_batches: int) -> tuple[int, int, int, float]:
-    import torch.distributed as td
-
-    from llmlab.dist.commlog import CommLog
-
     batches = demo_batches(100 + td.get_rank(), micro_batches)  # this rank's micro-batches
     sent, grads = [], []
     for no_sync in (False, True):
@@ -163,7 +161,6 @@ def measure_no_sync(cluster=None, world_size: int = 2, micro_batches: int = DEMO
     """Accumulate `micro_batches` micro-batches per rank with and without no_sync, on real ranks, and count the
     bytes each rank sent (CommLog). Runs on `cluster` (an open gloo `dist.Cluster`: the demo model is on the CPU)
     or on `world_size` new gloo ranks."""
-    from llmlab import dist
 
     validation.positive_int("micro_batches", micro_batches)
     if cluster is None:

@@ -18,13 +18,13 @@ from pathlib import Path
 
 
 def _doctor(args) -> int:
-    from llmlab.doctor import main
+    from llmlab.doctor import main  # imported on use: `llmlab --help` stays fast
 
     return main()
 
 
 def _exercises(args) -> int:
-    from llmlab.exercises import notebooks
+    from llmlab.exercises import notebooks  # imported on use: `llmlab --help` stays fast
 
     root = Path(args.root)
     if args.action == "build":
@@ -42,7 +42,7 @@ def _exercises(args) -> int:
 
 
 def _grade(args) -> int:
-    from llmlab.exercises import grade
+    from llmlab.exercises import grade  # imported on use: `llmlab --help` stays fast
 
     report = grade.grade(Path(args.notebook), timeout=args.timeout)
     print(report.to_json() if args.json else report.table())
@@ -50,7 +50,7 @@ def _grade(args) -> int:
 
 
 def _site(args) -> int:
-    from llmlab import site
+    from llmlab import site  # imported on use: `llmlab --help` stays fast
 
     notebooks = args.notebooks or sorted(Path("chapters").glob("[0-9]*.ipynb"))
     if not notebooks:
@@ -63,13 +63,13 @@ def _site(args) -> int:
 
 
 def _bench(args) -> int:
-    from llmlab.bench import run
+    from llmlab.bench import run  # imported on use: `llmlab --help` stays fast
 
     return run(args.name, json_path=args.json)
 
 
 def _results(args) -> int:
-    from llmlab.bench import sync_readme
+    from llmlab.bench import sync_readme  # imported on use: `llmlab --help` stays fast
 
     if args.check:
         if sync_readme(args.readme, args.records, check=True):
@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train"]:  # its flags are the capstone's own parser's
-        from llmlab.train.capstone import main as train
+        from llmlab.train.capstone import main as train  # imported on use: `llmlab --help` stays fast
 
         return train(argv[1:], prog="llmlab train")
     args = build_parser().parse_args(argv)

@@ -20,14 +20,18 @@ import time
 import traceback
 from importlib import metadata
 
+import torch
+import torch.distributed as td
+
+from llmlab import dist, hardware, runtime
+from llmlab.kernels import vector_add
+
 __all__ = ["CHECKS", "main"]
 
 PACKAGES = ("torch", "triton", "numpy", "jupyterlab", "ipywidgets", "nbclient")
 
 
 def check_tier() -> tuple[bool, str]:
-    from llmlab import runtime
-
     return True, runtime.describe()
 
 
@@ -45,10 +49,6 @@ def check_versions() -> tuple[bool, str]:
 
 
 def check_devices() -> tuple[bool, str]:
-    import torch
-
-    from llmlab import hardware
-
     devices = [f"cpu: {hardware.device_name('cpu')}, {torch.get_num_threads()} threads"]
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
@@ -57,8 +57,6 @@ def check_devices() -> tuple[bool, str]:
 
 
 def check_speed() -> tuple[bool, str]:
-    from llmlab import hardware
-
     m = hardware.measure(seconds=1.0)
     return True, (f"matmul {m.matmul_flops / 1e12:.3g} TFLOP/s fp32 (n={m.matmul_n}) · "
                   f"memory copy {m.copy_bandwidth / 1e9:.3g} GB/s ({m.device})")
@@ -66,8 +64,6 @@ def check_speed() -> tuple[bool, str]:
 
 def _all_reduce_rank() -> list[float]:
     """On each rank: all-reduce (sum) a tensor of rank + 1; every rank must get 1 + 2 + … + world_size."""
-    import torch
-    import torch.distributed as td
 
     device = torch.device("cuda", td.get_rank()) if td.get_backend() == "nccl" else torch.device("cpu")
     t = torch.full((4,), td.get_rank() + 1.0, device=device)
@@ -77,7 +73,6 @@ def _all_reduce_rank() -> list[float]:
 
 def check_all_reduce(world_size: int | None = None) -> tuple[bool, str]:
     """All-reduce on every GPU of the machine (NCCL), or on 2 gloo ranks without GPUs."""
-    from llmlab import dist, runtime
 
     world_size = world_size or max(2, runtime.tier().n_gpus)
     start = time.perf_counter()
@@ -92,11 +87,6 @@ def check_all_reduce(world_size: int | None = None) -> tuple[bool, str]:
 
 
 def check_triton() -> tuple[bool, str]:
-    import torch
-
-    from llmlab import runtime
-    from llmlab.kernels import vector_add
-
     mode = "interpreted" if runtime.triton_interpreted() else "compiled"
     gen = torch.Generator().manual_seed(0)
     wrong = []
@@ -134,7 +124,6 @@ def main() -> int:
         if not ok:
             failed.append(name)
         print(f"  {'ok  ' if ok else 'FAIL'}  {name:<10}  {text}", flush=True)
-    from llmlab import runtime
 
     tier = runtime.tier().name
     if failed:

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as td
 import torch.nn as nn
 
-from llmlab import validation
+from llmlab import runtime, validation
 from llmlab.dist.collectives import all_to_all
 from llmlab.dist.commlog import scope
 from llmlab.timing import compare
@@ -279,7 +279,6 @@ def _every_expert(layer: MoELayer):
 def bench(sizes: dict | None = None, repeats: int = 5) -> list[dict]:
     """Grouped top-2 MoE forward+backward vs dense MLPs, vs every expert on every token, time and drop rate per
     capacity factor, and vs the per-token loop at a small size. `sizes` overrides dim, hidden, experts, tokens."""
-    from llmlab import runtime
 
     device = runtime.device()
     s = dict(dim=768, hidden=3072, experts=8, tokens=8192) if runtime.tier().is_gpu else dict(

@@ -17,8 +17,13 @@ The material (§6.3 and its closing advice) asks to watch GPU utilisation (nvidi
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import time
 from collections.abc import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
 
 from llmlab import validation
 
@@ -31,13 +36,12 @@ COMM_PREFIXES = ("c10d::", "gloo:", "nccl:", "record_param_comms")
 def memory_bytes() -> int:
     """Memory in use now: the CUDA allocator's peak since the last call on a GPU (reset after reading),
     else this process's resident set (psutil), which is what a CPU run has in place of device memory."""
-    import torch
 
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         return int(peak)
-    import psutil
+    import psutil  # optional dependency
 
     return int(psutil.Process().memory_info().rss)
 
@@ -45,7 +49,7 @@ def memory_bytes() -> int:
 def gpu_stats() -> dict | None:
     """GPU 0's utilisation (%) and memory used/total (bytes) from NVML, or None where there is no GPU/NVML."""
     try:
-        import pynvml
+        import pynvml  # optional: NVIDIA's bindings, on GPU machines
     except ImportError:
         return _nvidia_smi()
     try:
@@ -59,8 +63,6 @@ def gpu_stats() -> dict | None:
 
 def _nvidia_smi() -> dict | None:
     """The same numbers from `nvidia-smi`, when it is on PATH."""
-    import shutil
-    import subprocess
 
     if shutil.which("nvidia-smi") is None:
         return None
@@ -81,8 +83,6 @@ def profile_step(fn: Callable, *args, **kwargs) -> dict:
     """
     if not callable(fn):
         raise ValueError(f"fn={fn!r} must be callable")
-    import torch
-    from torch.profiler import ProfilerActivity, profile
 
     # Kineto prints "profiler_start"/"profiler_stop" lines at every profile unless told otherwise before its first
     # use in the process; on a Cluster of ranks that is two lines per rank per call (the user's setting wins)
@@ -128,7 +128,7 @@ class Monitor:
         self.writer = None
         if logdir is not None:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # optional: pip install -e '.[tensorboard]'
             except ImportError as e:
                 raise ImportError("Monitor(logdir=...) writes TensorBoard events and needs the tensorboard package:"
                                   " pip install 'llmlab[tensorboard]' (or pip install tensorboard)") from e
@@ -154,7 +154,7 @@ class Monitor:
 
     def figure(self):
         """A matplotlib Figure of the history, one panel per metric (not attached to pyplot)."""
-        from matplotlib.figure import Figure
+        from matplotlib.figure import Figure  # matplotlib loads in about a second: only when a figure is drawn
 
         names = list(self.history) or ["(no metrics yet)"]
         fig = Figure(figsize=(3.2 * min(len(names), 4), 2.4 * ((len(names) + 3) // 4)), layout="constrained")
@@ -169,8 +169,8 @@ class Monitor:
     def draw(self) -> None:
         """Show the plot in the notebook, replacing the previous one (a no-op outside IPython)."""
         try:
-            from IPython import get_ipython
-            from IPython.display import display
+            from IPython import get_ipython  # may be absent: a training script runs without Jupyter
+            from IPython.display import display  # (the same)
         except ImportError:
             return
         if get_ipython() is None:

@@ -29,6 +29,9 @@ import math
 
 import torch
 
+from llmlab import runtime
+from llmlab.data import MarkovSource, SyntheticDataset
+from llmlab.model import GPT, GPTConfig
 from llmlab.timing import compare
 
 __all__ = ["DynamicLossScaler", "MixedPrecision", "autocast", "representation", "PRECISIONS", "bench"]
@@ -159,9 +162,6 @@ def representation(value: float) -> dict[str, dict]:
 
 def _step(precision: str, preset: str, batch_size: int):
     """One training step of a fresh GPT `preset` in `precision` on this tier's device, as a function."""
-    from llmlab import runtime
-    from llmlab.data import MarkovSource, SyntheticDataset
-    from llmlab.model import GPT, GPTConfig
 
     device = runtime.device()
     torch.manual_seed(0)
@@ -192,7 +192,6 @@ def bench(preset: str | None = None, batch_size: int | None = None, steps: int =
     The three run in turn, step by step (`llmlab.timing.compare`), so a busy spell of the machine slows all
     of them alike.
     """
-    from llmlab import runtime
 
     p = runtime.preset()
     preset, batch_size = preset or p.model, batch_size or p.batch_size

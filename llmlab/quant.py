@@ -32,13 +32,17 @@ from __future__ import annotations
 import copy
 import math
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmlab import validation
+from llmlab import runtime, validation
+from llmlab.data import MarkovSource, SyntheticDataset
+from llmlab.kernels import quantize
+from llmlab.model import GPT, GPTConfig
 from llmlab.timing import synchronize
 
 __all__ = ["MinMaxQuantizer", "LSQQuantizer", "QConfig", "QuantLinear", "quantize_model", "train_losses",
@@ -310,10 +314,7 @@ def train_losses(quant_config: QConfig | None, steps: int = 100, seed: int = 0, 
 def _train(quant_config: QConfig | None, steps: int, seed: int, lr: float, batch_size: int, block_size: int,
            device: str | torch.device = "cpu") -> tuple[list[float], list[float]]:
     """`train_losses` on `device`, with the wall time of every step (synchronised on a GPU) beside each loss."""
-    import time
 
-    from llmlab.data import MarkovSource, SyntheticDataset
-    from llmlab.model import GPT, GPTConfig
 
     validation.positive_int("steps", steps)
     torch.manual_seed(seed)
@@ -356,8 +357,6 @@ def bench(steps: int = 100, batch_size: int = 8, block_size: int = 64, kernel_si
     `BENCH_CONFIGS` entry: the tiny GPT trained `steps` AdamW steps quantization-aware vs in fp32 from the same
     weights and batches — median step time of each (impl_ms vs peer_ms, the first 3 steps left out as warm-up)
     and the loss gap, each run's mean loss over its last 10 steps (fresh batches: a held-out loss)."""
-    from llmlab import runtime
-    from llmlab.kernels import quantize
 
     validation.integer("steps", steps, low=13, hint="(3 warm-up steps, 10 averaged)")
     device = runtime.device()

@@ -58,7 +58,7 @@ def tier() -> Tier:
     forced = os.environ.get("LLMLAB_DEVICE", "").lower()
     if forced not in ("", "cpu", "cuda", "gpu"):
         raise ValueError(f"LLMLAB_DEVICE={forced!r}: expected 'cpu' or 'cuda'")
-    import torch
+    import torch  # torch loads in seconds: `import llmlab` stays light
 
     if forced == "cpu" or not torch.cuda.is_available():
         if forced in ("cuda", "gpu"):
@@ -74,7 +74,7 @@ def _local_rank() -> int:
 
 def device():
     """The torch.device this process computes on: cuda:LOCAL_RANK on GPU tiers, else cpu."""
-    import torch
+    import torch  # torch loads in seconds: `import llmlab` stays light
 
     t = tier()
     if not t.is_gpu or os.environ.get("LLMLAB_RANK_DEVICE") == "cpu":
@@ -164,8 +164,8 @@ def seed_everything(seed: int) -> None:
     """Seed Python's, NumPy's and torch's (CPU and all CUDA devices) generators."""
     if not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed={seed!r} must be a non-negative int")
-    import numpy as np
-    import torch
+    import numpy as np  # only when seeding: `import llmlab` stays light
+    import torch  # torch loads in seconds: `import llmlab` stays light
 
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -174,7 +174,7 @@ def seed_everything(seed: int) -> None:
 
 def describe() -> str:
     """One line saying where this is running, for the top of every chapter."""
-    import torch
+    import torch  # torch loads in seconds: `import llmlab` stays light
 
     t = tier()
     where = f"{t.n_gpus}× {t.gpu_name}" if t.is_gpu else f"CPU ({os.cpu_count()} cores)"

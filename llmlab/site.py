@@ -26,6 +26,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nbconvert import HTMLExporter
+
+from llmlab import runtime
+from llmlab.exercises.grade import cell_errors, execute
+from llmlab.exercises.notebooks import read_notebook
+
 __all__ = ["Page", "build_page", "build", "write_index"]
 
 _TITLE = re.compile(r"^#\s+(.+?)\s*$", re.M)
@@ -50,8 +56,6 @@ def _title(nb, fallback: str) -> str:
 
 
 def _problem(nb, stop) -> str:
-    from llmlab.exercises.grade import cell_errors
-
     first = next(cell_errors(nb), None)
     if first is not None:
         index, name, message = first
@@ -74,10 +78,7 @@ def _write_atomically(path: Path, text: str) -> None:
 
 def build_page(notebook: str | os.PathLike, out: str | os.PathLike, timeout: float = 600) -> Page:
     """Execute `notebook` (at most `timeout` seconds) and write `out`/<its name>.html; return its `Page`."""
-    from nbconvert import HTMLExporter
 
-    from llmlab.exercises.grade import execute
-    from llmlab.exercises.notebooks import read_notebook
 
     notebook = Path(notebook)
     if notebook.suffix != ".ipynb" or not notebook.is_file():
@@ -119,7 +120,6 @@ Numbers measured here (times, bandwidths, FLOP/s) are this machine's; run the no
 def build(notebooks: list[str | os.PathLike], out: str | os.PathLike = "site", timeout: float = 600,
           log=print) -> list[Page]:
     """Build the page of every notebook, in order, and the index; `log` gets one line per chapter."""
-    from llmlab import runtime
 
     if not notebooks:
         raise ValueError("notebooks is empty: give chapter notebooks (e.g. chapters/*.ipynb)")

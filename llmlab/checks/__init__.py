@@ -37,6 +37,8 @@ import random
 import re
 from dataclasses import asdict, dataclass
 
+from llmlab import dist
+
 MIME_TYPE = "application/vnd.llmlab.check+json"
 
 PASSED, NOT_ATTEMPTED, FAILED = "passed", "not attempted", "failed"
@@ -190,7 +192,7 @@ def _fail(result: Result, cause: BaseException | None):
 def _report(result: Result) -> None:
     """Show the line; inside IPython, attach the record the grader collects."""
     if _in_ipython():
-        from IPython.display import display
+        from IPython.display import display  # IPython is there: _in_ipython() found it
 
         display({MIME_TYPE: result.record(), "text/plain": result.line}, raw=True)
     else:
@@ -199,7 +201,7 @@ def _report(result: Result) -> None:
 
 def _in_ipython() -> bool:
     try:
-        from IPython import get_ipython
+        from IPython import get_ipython  # may be absent: checks also run in plain Python (pytest, the ranks)
     except ImportError:
         return False
     return get_ipython() is not None
@@ -219,8 +221,6 @@ def cluster(world_size: int):
     every chapter's checks, stopped by `close_clusters()` or at interpreter exit. gloo, because the checks'
     tensors are CPU tensors on any machine, GPUs or not."""
     if world_size not in _clusters:
-        from llmlab import dist
-
         if not _clusters:
             atexit.register(close_clusters)
         _clusters[world_size] = dist.Cluster(world_size, backend="gloo")

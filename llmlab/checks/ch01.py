@@ -19,7 +19,13 @@ import math
 import random
 import textwrap
 
+import torch
+import triton
+
+from llmlab import flops, runtime
 from llmlab.checks import Mismatch, assert_close, check, fresh_rng, number
+from llmlab.hardware import SPECS, roofline
+from llmlab.model import GPTConfig
 
 __all__ = ["block_flops", "gemm_roofline", "gemm_k_loop", "implied_mfu", "K_LOOP_BLOCKS", "k_loop_shapes"]
 
@@ -32,9 +38,6 @@ def _close(got: float, want: float, rel: float = 1e-9) -> bool:
 # --- 1.1: a transformer block's forward FLOPs ----------------------------------------------------------------
 
 def _block_matmuls(B: int, T: int, C: int, n_head: int):
-    from llmlab import flops
-    from llmlab.model import GPTConfig
-
     cfg = GPTConfig(vocab_size=1, block_size=T, n_layer=1, n_head=n_head, n_embd=C)
     return [mm for mm in flops.forward_matmuls(cfg, B, T) if mm.name != "lm head"]
 
@@ -74,8 +77,6 @@ def block_flops(fn):
 # --- 1.2: a GEMM's arithmetic intensity and bound --------------------------------------------------------------
 
 def _roofline_cases(rng: random.Random):
-    from llmlab.hardware import SPECS
-
     gpus = [name for name in SPECS]
     cases = [(1, 4096, 4096, 2, "H100 SXM"), (8192, 8192, 8192, 2, "A100 SXM"), (1, 1, 1, 4, "laptop CPU"),
              (64, 768, 768, 2, "B200")]  # matrix-vector, big square, the smallest GEMM, a small batch
@@ -95,8 +96,6 @@ def _roofline_cases(rng: random.Random):
             "once); the ridge point is peak_flops / bandwidth; at or above it the GEMM is 'compute'-bound, below "
             "it 'memory'-bound")
 def gemm_roofline(fn):
-    from llmlab.hardware import roofline
-
     for m, n, k, nbytes, peak, bandwidth, gpu in _roofline_cases(fresh_rng()):
         what = f"gemm_roofline(m={m}, n={n}, k={k}, bytes_per_element={nbytes}, peak_flops={peak:.4g}, " \
                f"bandwidth={bandwidth:.4g}) [{gpu}]"
@@ -163,7 +162,6 @@ def _poisoned(rows: int, cols: int, pad: int, dtype, device, transposed: bool = 
     A load that reads past the matrix's edge (a missing mask) reads NaN rather than another tensor's memory, so
     the answer turns NaN instead of silently wrong or crashing. `transposed` gives column-major strides.
     """
-    import torch
 
     shape = (cols + pad, rows + pad) if transposed else (rows + pad, cols + pad)
     buf = torch.full(shape, float("nan"), dtype=dtype, device=device)
@@ -182,9 +180,7 @@ def _tolerances(dtype, K: int) -> tuple[float, float]:
     so on a GPU fp32 products may differ by 2·2⁻¹¹ each: atol 2⁻¹⁰·K. A real bug (a missed block, a wrong
     mask, an unadvanced pointer) is off by O(1) or NaN, far outside all of these.
     """
-    import torch
 
-    from llmlab import runtime
 
     atol = 2 * K * K * 2.0**-24
     if dtype == torch.float16:
@@ -195,8 +191,6 @@ def _tolerances(dtype, K: int) -> tuple[float, float]:
 
 
 def _launch(kernel, a, b, c) -> None:
-    import triton
-
     M, K = a.shape
     N = b.shape[1]
     bm, bn = K_LOOP_BLOCKS["BLOCK_M"], K_LOOP_BLOCKS["BLOCK_N"]
@@ -218,10 +212,8 @@ def _launch(kernel, a, b, c) -> None:
 def gemm_k_loop(kernel):
     """`kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M, BLOCK_N, BLOCK_K)`: one program per (BLOCK_M, BLOCK_N) tile of C on a 2-D grid."""
-    import torch
 
     import llmlab.kernels  # noqa: F401  (interpreted Triton on the CPU tier, before anything is launched)
-    from llmlab import runtime
 
     if _placeholder_left(kernel):
         raise NotImplementedError("Exercise 1.3")
@@ -284,9 +276,6 @@ def _last_block(a, b):
 @check("1.4", "the MFU a training run implies",
        hint="MFU = (6·N·D FLOPs) / (gpus × days × 86,400 s/day × peak FLOP/s per GPU)")
 def implied_mfu(fn):
-    from llmlab import flops
-    from llmlab.hardware import SPECS
-
     rng = fresh_rng()
     cases = [(175e9, 300e9, 1000, 34.0, SPECS["A100 SXM"].peak_flops("bf16"))]  # the course text's GPT-3 claim
     for _ in range(5):

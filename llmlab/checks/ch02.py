@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import random
 
+import torch
+import torch.distributed as td
+
 from llmlab import checks, dist
 from llmlab.checks import Mismatch, assert_close, check, fresh_rng
 
@@ -62,15 +65,12 @@ def _my_group(partition):
 
 def _gradients(shapes, dtype, seed: int, rank: int):
     """Rank `rank`'s gradients for one case of 2.1: a tensor per shape, N(0, 1), from (seed, rank)."""
-    import torch
 
     gen = torch.Generator().manual_seed(seed * 1009 + rank)
     return [torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype) for shape in shapes]
 
 
 def _average_on_rank(fn, partition, cases):
-    import torch.distributed as td
-
     group, members = _my_group(partition)
     out = []
     for shapes, dtype, seed in cases:
@@ -82,7 +82,6 @@ def _average_on_rank(fn, partition, cases):
 
 def _column_inputs(case):
     """The full layer and input of one case of 2.2, the same on every rank: (x, weight, bias, coefficients)."""
-    import torch
 
     lead, n_in, n_out, bias, seed = case
     gen = torch.Generator().manual_seed(seed)
@@ -94,8 +93,6 @@ def _column_inputs(case):
 
 
 def _column_on_rank(fn, partition, cases):
-    import torch.distributed as td
-
     group, members = _my_group(partition)
     n, r = len(members), members.index(td.get_rank())
     out = []
@@ -115,16 +112,12 @@ def _column_on_rank(fn, partition, cases):
 
 
 def _detached(result: dict) -> dict:
-    import torch
-
     return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in result.items()}
 
 
 # --- 2.1: gradient averaging for data parallelism -----------------------------------------------------------
 
 def _average_cases(rng: random.Random):
-    import torch
-
     seed = lambda: rng.randrange(2**31)  # noqa: E731
     cases = [([(5, 3), (7,), ()], torch.float32, seed()),  # odd sizes and a 0-d tensor (a scalar gain)
              ([(1,), (13, 1, 2), (64, 64)], torch.float64, seed())]
@@ -135,7 +128,6 @@ def _average_cases(rng: random.Random):
 
 def _tolerances(dtype) -> dict:
     """Summing 4 values of N(0, 1) in another order differs by a few units in the last place: 4 ulps of the sum."""
-    import torch
 
     return dict(rtol=4 * torch.finfo(dtype).eps, atol=4 * 4 * torch.finfo(dtype).eps)
 
@@ -151,7 +143,6 @@ def _run(driver, fn, partition, cases):
 def average_gradients(fn):
     """`fn(grads, group)`: average the list `grads` of this rank's gradients over the ranks of `group`, in place
     (or return the list of averages)."""
-    import torch
 
     rng = fresh_rng()
     cases = _average_cases(rng)
@@ -176,8 +167,6 @@ def average_gradients(fn):
 
 
 def _average_diagnosis(got, everyone, i, members, rank) -> str:
-    import torch
-
     if not isinstance(got, torch.Tensor) or got.dtype not in (torch.float32, torch.float64):
         return ""
     got = got.detach().double()
@@ -221,7 +210,6 @@ def _column_cases(rng: random.Random):
 def column_parallel_linear(fn):
     """`fn(x, weight, bias, group)`: x (..., in) the whole input on every rank, weight (out/N, in) and bias (out/N,)
     or None this rank's shard → this rank's slice (..., out/N) of the output, with gradients flowing back."""
-    import torch
 
     rng = fresh_rng()
     cases = _column_cases(rng)
@@ -265,8 +253,6 @@ def column_parallel_linear(fn):
 
 
 def _input_grad_diagnosis(got, full, own, n: int, groups: int) -> str:
-    import torch
-
     if not isinstance(got, torch.Tensor) or got.shape != full.shape:
         return ""
     close = lambda a, b: torch.allclose(got.double(), b, rtol=1e-8, atol=1e-8)  # noqa: E731
@@ -299,7 +285,6 @@ def _scaler_sequences(rng: random.Random):
 
 def _grad_scaler_trajectory(init_scale, growth_factor, backoff_factor, growth_interval, steps):
     """[(scale, growth tracker)] after each step of torch.amp.GradScaler, driven through its public API."""
-    import torch
 
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_factor=growth_factor,
                                   backoff_factor=backoff_factor, growth_interval=growth_interval)

@@ -31,8 +31,16 @@ import dataclasses
 import math
 import random
 
+import torch
+import torch.distributed as td
+
 from llmlab import checks, dist
 from llmlab.checks import Mismatch, assert_close, check, fresh_rng
+from llmlab.data import MarkovSource, SyntheticDataset
+from llmlab.memory import checkpoint as library
+from llmlab.memory import compress, measure
+from llmlab.memory.measure import is_parameter
+from llmlab.model import GPT, Block, GPTConfig
 
 __all__ = ["adamw_shard_step", "checkpoint", "pack_hooks", "close", "WORLD_SIZES", "MAX_BYTES_RATIO",
            "GRAD_ERROR_FACTOR", "stored_bytes"]
@@ -94,7 +102,6 @@ def _zero_cases(rng: random.Random) -> list[_ZeroCase]:
 
 def _mlp(case: _ZeroCase):
     """The case's MLP parameters, float64 leaves [W1 (h, in), b1 (h,), W2 (out, h), b2 (out,)], from its seed."""
-    import torch
 
     gen = torch.Generator().manual_seed(case.seed)
     d_in, d_h, d_out = case.sizes
@@ -103,15 +110,12 @@ def _mlp(case: _ZeroCase):
 
 
 def _mlp_loss(params, x, y):
-    import torch
-
     w1, b1, w2, b2 = params
     return torch.nn.functional.mse_loss(torch.tanh(x @ w1.T + b1) @ w2.T + b2, y)
 
 
 def _batch(case: _ZeroCase, step: int):
     """The whole batch of `step`: x (world·rows, in), y (world·rows, out)."""
-    import torch
 
     gen = torch.Generator().manual_seed(case.seed + 7919 * step)
     n = case.world * case.rows
@@ -128,8 +132,6 @@ def _group(world: int):
 
 def _zero1_on_rank(fn, cases):
     """ZeRO-1 training of each case's MLP with the learner's shard update `fn`; this rank's view of the result."""
-    import torch
-    import torch.distributed as td
 
     groups = {w: _group(w) for w in WORLD_SIZES}  # every rank creates every group, first thing, in order
     out = []
@@ -184,7 +186,6 @@ def _zero1_on_rank(fn, cases):
 def _reference(case: _ZeroCase):
     """torch.optim.AdamW on the whole batch in one process: ([flat parameters (Ψ,) after each step], exp_avg (Ψ,),
     exp_avg_sq (Ψ,) after the last)."""
-    import torch
 
     params = _mlp(case)
     opt = torch.optim.AdamW(params, lr=case.lr, betas=case.betas, eps=case.eps, weight_decay=case.weight_decay,
@@ -222,7 +223,6 @@ _VARIANTS = {
 
 def _variant(case: _ZeroCase, kind: str):
     """The whole-batch trajectory of AdamW with the mistake `kind`: flat parameters (Ψ,)."""
-    import torch
 
     params = _mlp(case)
     (b1, b2), lr, wd, eps = case.betas, case.lr, case.weight_decay, case.eps
@@ -251,8 +251,6 @@ def _variant(case: _ZeroCase, kind: str):
 
 
 def _zero_diagnosis(case: _ZeroCase, got, nan: bool) -> str:
-    import torch
-
     if torch.equal(got, _mlp_flat_init(case)):
         return (": the parameters never changed: update `shard` in place (shard.mul_, shard.addcdiv_, or "
                 "shard.copy_(new)) or return the new shard; `shard = ...` only rebinds a local name")
@@ -266,8 +264,6 @@ def _zero_diagnosis(case: _ZeroCase, got, nan: bool) -> str:
 
 
 def _mlp_flat_init(case: _ZeroCase):
-    import torch
-
     return torch.cat([p.detach().reshape(-1) for p in _mlp(case)])
 
 
@@ -280,7 +276,6 @@ def adamw_shard_step(fn):
     shard. flat_grad (P,) is the averaged gradient of all the (padded, flattened) parameters; shard, exp_avg and
     exp_avg_sq (hi − lo,) this rank's slice of the parameters and of Adam's moments, updated in place (or the new
     shard returned); step counts from 1."""
-    import torch
 
     cases = _zero_cases(fresh_rng())
     per_rank = _ranks().run(_zero1_on_rank, fn, cases, timeout=TIMEOUT_S)
@@ -327,10 +322,6 @@ def adamw_shard_step(fn):
 # --- 3.2: activation checkpointing from scratch ---------------------------------------------------------------
 
 def _blocks(config, n: int, seed: int):
-    import torch
-
-    from llmlab.model import Block
-
     state = torch.get_rng_state()
     torch.manual_seed(seed)
     blocks = [Block(config) for _ in range(n)]  # training mode: dropout on
@@ -341,9 +332,7 @@ def _blocks(config, n: int, seed: int):
 def _run_blocks(blocks, x0, coeff, seed: int, using):
     """Forward the blocks (each through `using(block, x)`, or plainly) from a fresh leaf copy of x0, backward
     Σ coeff·y; returns what the check compares."""
-    import torch
 
-    from llmlab.memory import measure
 
     for b in blocks:
         b.zero_grad(set_to_none=True)
@@ -364,8 +353,6 @@ def _run_blocks(blocks, x0, coeff, seed: int, using):
 
 
 def _same(a, b) -> bool:
-    import torch
-
     return a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
 
 
@@ -379,10 +366,7 @@ def _same(a, b) -> bool:
 def checkpoint(fn):
     """`fn(block, x)` → block(x), keeping only x (and the random state) for backward and recomputing block(x) in
     backward; x is (B, T, C) and requires grad."""
-    import torch
 
-    from llmlab.memory import checkpoint as library
-    from llmlab.model import GPTConfig
 
     rng = fresh_rng()
     # T = 1 and a single block; then sizes where one block's input (≥ 16 KB) is far more than the slack below
@@ -447,7 +431,6 @@ def checkpoint(fn):
 
 def _tensors_in(obj, depth: int = 0):
     """Every tensor inside what a pack hook returned: tuples, lists, dicts, dataclasses, objects' attributes."""
-    import torch
 
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -470,7 +453,6 @@ def _tensors_in(obj, depth: int = 0):
 def stored_bytes(packed, original) -> int:
     """Bytes a pack hook's result `packed` keeps for the saved tensor `original`: each tensor in it once, by its
     elements (a tensor sharing `original`'s memory, kept as it is, counts as `original`'s elements)."""
-    from llmlab.memory import measure
 
     total, seen = 0, set()
     mine = measure.storage_key(original)
@@ -484,8 +466,6 @@ def stored_bytes(packed, original) -> int:
 
 
 def _round_trip_cases(rng: random.Random):
-    import torch
-
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     n = rng.choice([1000, 1531, 4097])
     return [
@@ -503,7 +483,6 @@ def _round_trip_cases(rng: random.Random):
 
 def _bound(t):
     """Half an 8-bit step of t's range (the error of min-max rounding), plus the output dtype's own rounding."""
-    import torch
 
     x = t.detach().double()
     bound = (x.max() - x.min()) / (2 * 255) * (1 + 1e-6) + 1e-12
@@ -513,8 +492,6 @@ def _bound(t):
 
 
 def _round_trip(pack, unpack):
-    import torch
-
     for what, t in _round_trip_cases(fresh_rng()):
         original = t.clone()
         out = unpack(pack(t))
@@ -562,11 +539,7 @@ def _round_trip(pack, unpack):
 def _gpt_step(hooks, seed: int):
     """One forward + backward of the tiny GPT (fp32, no dropout) under `hooks` (pack, unpack) or none, with the
     bytes the saved tensors would take and do take (parameters left out); returns loss, gradients, bytes."""
-    import torch
 
-    from llmlab.data import MarkovSource, SyntheticDataset
-    from llmlab.memory import measure
-    from llmlab.model import GPT, GPTConfig
 
     state = torch.get_rng_state()
     torch.manual_seed(seed)
@@ -606,10 +579,7 @@ def _gpt_step(hooks, seed: int):
 def pack_hooks(pack, unpack):
     """`pack(t)` → anything holding t in 8 bits (per-group min-max codes); `unpack(packed)` → the tensor rebuilt,
     in t's shape and dtype. Used as `torch.autograd.graph.saved_tensors_hooks(pack, unpack)`."""
-    import torch
 
-    from llmlab.memory import compress
-    from llmlab.memory.measure import is_parameter
 
     _round_trip(pack, unpack)
     seed = fresh_rng().randrange(2**31)

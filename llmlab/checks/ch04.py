@@ -32,8 +32,14 @@ import math
 import random
 import re
 
+import torch
+import torch.distributed as td
+
 from llmlab import checks, dist
+from llmlab.accumulate import accumulate_gradients
 from llmlab.checks import Mismatch, assert_close, check, fresh_rng
+from llmlab.dist import RankError, cost
+from llmlab.dist.collectives import chunk_sizes
 
 __all__ = ["ring_reduce_scatter", "ring_all_gather", "accumulate", "ring_time", "close", "WORLD_SIZES",
            "TIMEOUT_S"]
@@ -65,7 +71,6 @@ def _group(n: int):
 
 def _on_ranks(body, fn, cases, what: str) -> list[list]:
     """Run `body(fn, cases)` on every rank; return the per-rank lists of per-case results."""
-    from llmlab.dist import RankError
 
     try:
         return _ranks().run(body, fn, cases, timeout=TIMEOUT_S)
@@ -119,9 +124,7 @@ def _untag(value: float, n: int) -> tuple[int, tuple[int, ...]] | None:
 
 def _chunk_of(numel: int, n: int):
     """(numel,) int tensor: the chunk of `torch.tensor_split(range(numel), n)` each element falls in."""
-    import torch
 
-    from llmlab.dist.collectives import chunk_sizes
 
     return torch.repeat_interleave(torch.arange(n), torch.tensor(chunk_sizes(numel, n)))
 
@@ -134,7 +137,6 @@ def _ranks_text(ranks) -> str:
 
 def _rs_input(case: dict, rank: int):
     """Rank `rank`'s input of a reduce-scatter case: tags or random integers, float32, of case['shape']."""
-    import torch
 
     n, shape = case["n"], case["shape"]
     numel = math.prod(shape)
@@ -155,9 +157,6 @@ def _rs_cases(rng: random.Random) -> list[dict]:
 
 
 def _run_reduce_scatter(fn, cases) -> list:
-    import torch
-    import torch.distributed as td
-
     out = []
     for case in cases:
         member, group = _group(case["n"])
@@ -201,7 +200,6 @@ def _rs_diagnosis(got, case: dict, rank: int) -> str | None:
             "(exchange), and leave the input tensor unchanged")
 def ring_reduce_scatter(fn):
     """`fn(tensor, group)` on every rank of `group`: this rank's chunk of the sum over ranks (1-D, new)."""
-    import torch
 
     cases = _rs_cases(fresh_rng())
     per_rank = _on_ranks(_run_reduce_scatter, fn, cases, "reduce-scatter")
@@ -232,7 +230,6 @@ def ring_reduce_scatter(fn):
 
 def _ag_input(case: dict, rank: int):
     """Rank `rank`'s chunk: element j is 1000·(rank + 1) + j (j < 1000), or random integers, float32."""
-    import torch
 
     numel = case["sizes"][rank]
     if case["tagged"]:
@@ -242,8 +239,6 @@ def _ag_input(case: dict, rank: int):
 
 
 def _ag_cases(rng: random.Random) -> list[dict]:
-    from llmlab.dist.collectives import chunk_sizes
-
     cases = []
     for n in WORLD_SIZES:
         seed = rng.randrange(1 << 30)
@@ -255,9 +250,6 @@ def _ag_cases(rng: random.Random) -> list[dict]:
 
 
 def _run_all_gather(fn, cases) -> list:
-    import torch
-    import torch.distributed as td
-
     out = []
     for case in cases:
         member, group = _group(case["n"])
@@ -300,7 +292,6 @@ def _ag_diagnosis(got, case: dict, rank: int) -> str:
             "its place; chunks may differ in size (use sizes), and empty ones need no message")
 def ring_all_gather(fn):
     """`fn(chunk, sizes, group)` on every rank: every rank's chunk concatenated in rank order (1-D, new)."""
-    import torch
 
     cases = _ag_cases(fresh_rng())
     per_rank = _on_ranks(_run_all_gather, fn, cases, "all-gather")
@@ -325,7 +316,6 @@ def ring_all_gather(fn):
 def accumulation_case(rng: random.Random):
     """k micro-batches of a random regression and a function building the same fresh float64 model each time
     (also the cases of chapter 6's 6.3, which accumulates, unscales and clips)."""
-    import torch
 
     k, rows, d_in = rng.randint(2, 6), rng.randint(1, 6), rng.randint(2, 9)
     seed = rng.randrange(1 << 30)
@@ -342,8 +332,6 @@ def accumulation_case(rng: random.Random):
 
 
 def micro_batch_mse(model, batch):
-    import torch
-
     x, y = batch
     return torch.nn.functional.mse_loss(model(x), y)  # the mean over the micro-batch
 
@@ -353,9 +341,7 @@ def micro_batch_mse(model, batch):
             "(loss_fn(model, batch) / k).backward(): .grad adds the k gradients up, so each must count 1/k")
 def accumulate(fn):
     """`fn(model, loss_fn, batches)`: leaves in `.grad` the gradient of the mean loss over all micro-batches."""
-    import torch
 
-    from llmlab.accumulate import accumulate_gradients
 
     rng = fresh_rng()
     for trial in range(3):
@@ -390,7 +376,6 @@ def accumulate(fn):
             "t = 2(N−1)·α + 2(N−1)/N · S · β")
 def ring_time(fn):
     """`fn(nbytes, n, alpha, beta)`: seconds of a ring all-reduce of `nbytes` on `n` ranks."""
-    from llmlab.dist import cost
 
     rng = fresh_rng()
     cases = [(0, 8, 5e-6, 1e-10), (1e6, 1, 5e-6, 1e-10), (64e6, 2, 0.0, 1 / 25e9)]

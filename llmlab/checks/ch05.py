@@ -20,7 +20,13 @@ from __future__ import annotations
 import math
 import random
 
+import torch
+
+from llmlab import flops
 from llmlab.checks import Mismatch, check, fresh_rng, number
+from llmlab.dist import cost
+from llmlab.hardware import SPECS, cluster
+from llmlab.model import GPTConfig
 
 __all__ = ["compute_seconds", "allreduce_seconds", "training_time", "UNITS", "link_quote", "training_cases"]
 
@@ -55,8 +61,6 @@ def _compare(got: float, want: float, what: str, mistakes: list[tuple[float, str
             "(SPECS[gpu].bf16_tflops × 1e12 FLOP/s, not the FP32 column) × mfu")
 def compute_seconds(fn):
     """`fn(n_params, tokens, gpus, gpu, mfu)`: seconds of arithmetic in one step (gpu a key of SPECS)."""
-    from llmlab import flops
-    from llmlab.hardware import SPECS
 
     rng = fresh_rng()
     cases = [(175e9, 1536 * 2048, 1024, "A100 SXM", 0.45),  # GPT-3's step (3.1M tokens) on 1024 A100s
@@ -93,7 +97,6 @@ def link_quote(key: str) -> tuple[float, str]:
     """How LINKS[key]'s bandwidth is quoted: (figure, unit). NVLink as spec sheets do (both directions added: 900
     GB/s for NVLink 4 = SPECS["H100 SXM"].link_gbs), networks as NICs are sold (Gb/s per direction), PCIe per
     direction in GB/s."""
-    from llmlab.dist import cost
 
     if key not in cost.LINKS:
         raise ValueError(f"key={key!r} is not a link; choose from {', '.join(cost.LINKS)}")
@@ -103,8 +106,6 @@ def link_quote(key: str) -> tuple[float, str]:
 
 
 def _allreduce_cases(rng: random.Random):
-    import torch
-
     cases = [(7e9, torch.bfloat16, 8, "nvlink3"),  # the material's "A100 NVLink 600 GB/s", one node
              (7e9, torch.bfloat16, 64, "rdma100"),  # its "at least 100 Gbps RDMA", 8 nodes (C15)
              (1.3e9, torch.float32, 1, "ib_ndr400")]  # one rank: nothing to send
@@ -118,7 +119,6 @@ def _allreduce_cases(rng: random.Random):
 
 def _allreduce_reference(n_params: float, dtype, n: int, bandwidth: float, unit: str, alpha: float):
     """(seconds, [(seconds with a plausible mistake, the mistake in words), ...]) of one 5.2 case."""
-    from llmlab.dist import cost
 
     size, per_s = dtype.itemsize, bandwidth * _BYTES_PER_S[unit]  # bytes per element; bytes/s in one direction
 
@@ -151,7 +151,6 @@ def _allreduce_reference(n_params: float, dtype, n: int, bandwidth: float, unit:
             "GB/s; a figure of both directions ÷ 2; GB/s × 1e9); ring all-reduce: 2(n−1)·α + 2(n−1)/n · S/B")
 def allreduce_seconds(fn):
     """`fn(n_params, grad_dtype, n, bandwidth, unit, alpha)`: seconds of a ring all-reduce of the gradients."""
-    from llmlab.dist import cost
 
     for n_params, dtype, n, key in _allreduce_cases(fresh_rng()):
         bandwidth, unit = link_quote(key)
@@ -167,16 +166,12 @@ def allreduce_seconds(fn):
 
 def _compute_bound(config) -> bool:
     """Is every weight GEMM of `config` compute-bound on its GPU, so that step_time's rate is the bf16 peak?"""
-    from llmlab.hardware import SPECS, cluster
 
     return math.isclose(cluster.step_time(config).attainable_flops, SPECS[config.gpu].peak_flops("bf16"),
                         rel_tol=1e-12)
 
 
 def _random_config(rng: random.Random):
-    from llmlab.hardware import cluster
-    from llmlab.model import GPTConfig
-
     shapes = [(32, 32, 4096), (40, 40, 5120), (60, 56, 7168), (80, 64, 8192), (96, 96, 12288)]
     n_layer, n_head, n_embd = rng.choice(shapes)  # every n_head divisible by every tp drawn below
     model = GPTConfig(vocab_size=rng.choice([32000, 50257]), block_size=rng.choice([2048, 4096]), n_layer=n_layer,
@@ -193,7 +188,6 @@ def _random_config(rng: random.Random):
 def training_cases(rng: random.Random | None = None) -> list:
     """The ClusterConfigs the 5.3 check runs (pp = 1, every GEMM compute-bound): GPT-3 laid out as dp 128 × tp 8 on
     1024 A100s, C15's 7B step on 64 H100s, GPT-2 on one node, then fresh random ones."""
-    from llmlab.hardware import cluster
 
     rng = rng or fresh_rng()
     cases = [cluster.preset("gpt3-175b-1024xA100", dp=128, pp=1, micro_batches=12),  # every part non-zero: first
@@ -213,8 +207,6 @@ def _describe(c) -> str:
 
 def _step_mistakes(c, t) -> list[tuple[float, str]]:
     """What a step time with one of the plausible mistakes comes to, and the mistake in words."""
-    from llmlab.dist import cost
-    from llmlab.hardware import cluster
 
     link = cost.LINKS[c.link]
     whole = cost.ring_allreduce_time(c.n_params * c.bytes_per_param, c.dp, link.alpha, link.beta)
@@ -243,8 +235,6 @@ def _step_mistakes(c, t) -> list[tuple[float, str]]:
             "bytes_per_activation bytes; days = (tokens / batch_tokens) · step / 86,400")
 def training_time(fn):
     """`fn(config)` for a ClusterConfig with pp = 1: (seconds per step, days of training)."""
-    from llmlab import flops
-    from llmlab.hardware import cluster
 
     for c in training_cases():
         what = f"training_time({_describe(c)})"

@@ -29,8 +29,15 @@ from __future__ import annotations
 import math
 import random
 
+import torch
+
+from llmlab.accumulate import accumulate_gradients
 from llmlab.checks import Mismatch, assert_close, check, fresh_rng
 from llmlab.checks.ch04 import accumulation_case, micro_batch_mse
+from llmlab.precision import DynamicLossScaler
+from llmlab.train.clip import clip_grad_norm as clip
+from llmlab.train.clip import grad_norm
+from llmlab.train.schedule import warmup_cosine_lr
 
 __all__ = ["lr_at", "clip_grad_norm", "scaled_step"]
 
@@ -67,7 +74,6 @@ def _cosine(peak: float, floor: float, progress: float) -> float:
 
 def _lr_mistakes():
     """(the LR a mistake gives at update s, or None where it agrees with the definition; what the mistake is)."""
-    from llmlab.train.schedule import warmup_cosine_lr
 
     return (
         (lambda s, p, w, t, m: p * s / w if s < w else None,
@@ -108,7 +114,6 @@ def _lr(fn, step: int, peak: float, warmup: int, total: int, floor: float, what:
             "warmup), 1) (1 when total − 1 − warmup ≤ 0) and lr = min_lr + (peak_lr − min_lr)·½(1 + cos(π·progress))")
 def lr_at(fn):
     """`fn(step, peak_lr, warmup, total, min_lr)`: the LR of update `step`, as warmup_cosine_lr defines it."""
-    from llmlab.train.schedule import warmup_cosine_lr
 
     mistakes = _lr_mistakes()
     for peak, warmup, total, floor in _lr_cases(fresh_rng()):
@@ -146,7 +151,6 @@ def _clip_cases(rng: random.Random) -> list[dict]:
 def _clip_params(case: dict, seed: int) -> list:
     """float32 parameters with random gradients of global norm ratio·max_norm; the first gradient is 3× the others'
     norm, so that when clipped (ratio ≥ 1.5, ≤ 6 tensors) it alone exceeds max_norm and per-tensor clipping shows."""
-    import torch
 
     g = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in case["shapes"]]
@@ -164,14 +168,10 @@ def _clip_params(case: dict, seed: int) -> list:
 
 
 def _norms(grads) -> list[float]:
-    import torch
-
     return [torch.linalg.vector_norm(x).item() for x in grads]
 
 
 def _all_close(xs, ys) -> bool:
-    import torch
-
     # float32: sums of squares in another order differ by a few ulp (≲ 1e-6 relative); the mistakes by ≥ 5%
     return all(torch.allclose(x, y, rtol=1e-5, atol=0.0) for x, y in zip(xs, ys, strict=True))
 
@@ -199,7 +199,6 @@ def _run_clip(fn, case: dict, params: list, what: str):
             "(g.mul_(c)), else leave them; return the norm from before; list(parameters) first if you loop twice")
 def clip_grad_norm(fn):
     """`fn(parameters, max_norm)`: clip the gradients in place by their global L2 norm; return the norm before."""
-    import torch
 
     rng = fresh_rng()
     for case in _clip_cases(rng):
@@ -261,9 +260,6 @@ def clip_grad_norm(fn):
 # --- 6.3: one update with accumulation, a loss scaler and clipping ----------------------------------------------
 
 def _step_cases(rng: random.Random) -> list[dict]:
-    from llmlab.accumulate import accumulate_gradients
-    from llmlab.train.clip import grad_norm
-
     cases = []
     # unclipped first: there max_norm > k·‖g‖, so a wrong magnitude (k×, S×) is not hidden by the clip
     for kind in ("unclipped", "clipped", "overflow", rng.choice(["clipped", "unclipped"])):
@@ -282,9 +278,7 @@ def _step_cases(rng: random.Random) -> list[dict]:
 
 def _setup(case: dict):
     """A fresh model (with the case's stale gradients), its SGD optimizer and a loss scaler."""
-    import torch
 
-    from llmlab.precision import DynamicLossScaler
 
     model = case["make_model"]()
     if case["stale"]:  # a backward the caller ran before, whose scaled gradients are still in .grad
@@ -296,10 +290,7 @@ def _setup(case: dict):
 def _reference(case: dict, mistake: str | None = None):
     """llmlab's update (or one with `mistake`): (how it moved each parameter, the scale after it, whether it
     stepped)."""
-    import torch
 
-    from llmlab.accumulate import accumulate_gradients
-    from llmlab.train.clip import clip_grad_norm as clip
 
     model, optimizer, scaler = _setup(case)
     params = list(model.parameters())
@@ -337,8 +328,6 @@ def _update_tol(want) -> dict:
 
 
 def _same(xs, ys) -> bool:
-    import torch
-
     return all(torch.allclose(x, y, **_update_tol(y)) for x, y in zip(xs, ys, strict=True))
 
 
@@ -360,7 +349,6 @@ _STEP_MISTAKES = {
             "no step); else clip the unscaled gradients to max_norm, optimizer.step() and return True")
 def scaled_step(fn):
     """`fn(model, optimizer, scaler, loss_fn, batches, max_norm)`: one update; True if the optimizer stepped."""
-    import torch
 
     for case in _step_cases(fresh_rng()):
         model, optimizer, scaler = _setup(case)

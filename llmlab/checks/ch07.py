@@ -36,7 +36,14 @@ import random
 import time
 from dataclasses import dataclass
 
+import torch
+import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
 from llmlab.checks import Mismatch, check
+from llmlab.data import MarkovSource, SyntheticDataset
+from llmlab.diagnose.divergence import check_targets, lr_range_test
+from llmlab.model import GPT, GPTConfig
 
 __all__ = ["find_the_bugs", "batches_of", "FAULTS", "TARGET_GAP", "TRAIN_STEPS", "TIMEOUT_S"]
 
@@ -81,8 +88,6 @@ class _Watch:
         self.deadline = time.monotonic() + TIMEOUT_S
 
     def __enter__(self):
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
         self._handles = [register_optimizer_step_pre_hook(self._on_step),
                          self.model.register_forward_pre_hook(lambda module, args: self._tick())]
         return self
@@ -112,7 +117,6 @@ def _probe_model(config, seed: int):
     """GPT's interface with logits = table[x] + bias (table std 3, so that p is far from uniform and the two loss
     forms differ by far more than rounding). Every backward through its logits lands in `.backwards`, tagged with
     the number of steps its `.watch` (set by the caller) had seen."""
-    import torch
 
     class Probe(torch.nn.Module):
         def __init__(self):
@@ -137,7 +141,6 @@ def _probe_model(config, seed: int):
 def batches_of(data):
     """The `batches` the check gives `train`: `batches(i)` is the (B, T+1) token rows of `data`'s batch i (its
     inputs x and, after them, the last target), so that a notebook can run `train` the way the check does."""
-    import torch
 
     def batches(i: int):
         x, y = data.get_batch(i)  # (B, T) each
@@ -147,8 +150,6 @@ def batches_of(data):
 
 
 def _dataset(seed: int, batch: int, block: int):
-    from llmlab.data import MarkovSource, SyntheticDataset
-
     return SyntheticDataset(MarkovSource(64, seed=seed % 1000), batch, block, seed=seed)
 
 
@@ -160,7 +161,6 @@ def _fit(g, e) -> tuple[float, float]:
 
 def _read(b: _Backward) -> None:
     """Fill in b's form ("cross-entropy", "softmax first" or None: neither fits), targets and form's gradient."""
-    import torch.nn.functional as F
 
     p = F.softmax(b.z, dim=-1)  # (B, T, V)
     b.y = (b.g / p).argmin(dim=-1)  # (B, T): the target, under either form
@@ -173,10 +173,7 @@ def _read(b: _Backward) -> None:
 def _probe(train, seed: int, k: int) -> tuple[dict, dict]:
     """Run `train` on the probe model; return (fault → message, None where fixed; what else was seen: the lr, the
     optimizer class, the faults it could not check yet, a problem with the losses train returned)."""
-    import torch
 
-    from llmlab.diagnose.divergence import check_targets
-    from llmlab.model import GPTConfig
 
     config = GPTConfig.preset("tiny", block_size=PROBE_T)
     model = _probe_model(config, seed)
@@ -258,7 +255,6 @@ def _accumulation(first, got) -> str | None:
 
 def _reported(losses, runs, k: int) -> str | None:
     """A problem with the step losses train returned (each step's mean cross-entropy), or None."""
-    import torch.nn.functional as F
 
     if not isinstance(losses, list | tuple) or len(losses) != PROBE_STEPS:
         return f"train should return a list of its {PROBE_STEPS} step losses, not {type(losses).__name__}"
@@ -275,10 +271,7 @@ def _reported(losses, runs, k: int) -> str | None:
 
 def _lr_fault(lr: float, optimizer, seed: int) -> str | None:
     """The learning-rate fault: `lr` past the minimum of lr_range_test's curve on a fresh tiny GPT (or None)."""
-    import torch
 
-    from llmlab.diagnose.divergence import lr_range_test
-    from llmlab.model import GPT, GPTConfig
 
     torch.manual_seed(seed)
     model = GPT(GPTConfig.preset("tiny", block_size=TRAIN_T))
@@ -295,9 +288,7 @@ def _lr_fault(lr: float, optimizer, seed: int) -> str | None:
 
 def _training_run(train, seed: int) -> tuple[float, float]:
     """Train a fresh tiny GPT with `train`; return (its mean loss on held-out batches, the source's best loss)."""
-    import torch
 
-    from llmlab.model import GPT, GPTConfig
 
     torch.manual_seed(seed)
     model = GPT(GPTConfig.preset("tiny", block_size=TRAIN_T))
@@ -315,7 +306,6 @@ def _training_run(train, seed: int) -> tuple[float, float]:
             "it, so run that tool on your own script and see the fault for yourself before you fix it")
 def find_the_bugs(train):
     """`train(model, batches, steps, accum_steps)`: see the module docstring for what it does and how it is probed."""
-    import torch
 
     rng = random.Random()  # fresh seeds and accumulation on every run: an answer cannot be tuned to fixed inputs
     seed, k = rng.randrange(1 << 30), rng.choice((2, 3, 4))

@@ -17,15 +17,18 @@ from __future__ import annotations
 import math
 import random
 
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
 from llmlab.checks import Mismatch, assert_close, check, fresh_rng
+from llmlab.moe import route
 
 __all__ = ["lora_linear", "top2_router", "lsq", "lsq_inputs"]
 
 
 
 def _tensor(value, what: str):
-    import torch
-
     if not isinstance(value, torch.Tensor):
         raise Mismatch(f"{what}: got {type(value).__name__}, expected a torch.Tensor")
     return value
@@ -44,8 +47,6 @@ def _lora_cases(rng: random.Random) -> list[tuple[int, int, int, float]]:
 
 
 def _parameter(layer, name: str, shape: tuple[int, ...], what: str):
-    import torch.nn as nn
-
     p = getattr(layer, name, None)
     if not isinstance(p, nn.Parameter):
         raise Mismatch(f"{what}: self.{name} is {type(p).__name__}, expected an nn.Parameter of shape {shape}")
@@ -61,9 +62,6 @@ def _parameter(layer, name: str, shape: tuple[int, ...], what: str):
             "forward: base(x) + (α/r) · (x @ A.T) @ B.T, with the base Linear frozen (requires_grad_(False))")
 def lora_linear(cls):
     """`cls(base, r, alpha)`: a module around the nn.Linear `base` with parameters lora_A (r, in), lora_B (out, r)."""
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
 
     for n_in, n_out, r, alpha in _lora_cases(fresh_rng()):
         what = f"LoRA(nn.Linear({n_in}, {n_out}), r={r}, alpha={alpha:g})"
@@ -122,9 +120,6 @@ def lora_linear(cls):
 def _trains_and_merges(cls, n_in: int, n_out: int, r: int, alpha: float, what: str) -> None:
     """A few AdamW steps towards a rank-r change of the base layer: the loss must fall, the frozen weight stay, and
     folding (α/r)·BA into the weight must give what the module computes."""
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
 
     base = nn.Linear(n_in, n_out)
     w0, b0 = base.weight.detach().clone(), base.bias.detach().clone()
@@ -161,7 +156,6 @@ def _router_cases(rng: random.Random) -> list[tuple[int, int, float]]:
 
 def _balance_variants(logits, expert) -> dict[str, object]:
     """Balance losses a plausible mistake computes, from the (T, E) logits and (T, 2) chosen experts."""
-    import torch
 
     T, E = logits.shape
     p = logits.float().softmax(-1)  # (T, E)
@@ -185,9 +179,7 @@ def _balance_variants(logits, expert) -> dict[str, object]:
             "with no gradient")
 def top2_router(fn):
     """`fn(logits)` for (T, E) logits: (expert (T, 2) int64, gate (T, 2), balance_loss ()), as llmlab.moe.route."""
-    import torch
 
-    from llmlab.moe import route
 
     for T, E, spread in _router_cases(fresh_rng()):
         what = f"top2_route(logits of shape ({T}, {E}))"
@@ -236,9 +228,7 @@ def top2_router(fn):
 def _diagnose_balance_gradient(grad, logits, ref, weights, grad_close, what: str) -> None:
     """Name the mistake whose gradient the answer has. With near-uniform routing a wrong balance loss can equal
     the right one in value (E·Σ Pᵢ² = 1 + O((p₀ − p₁)²) for two experts) while its gradient still differs."""
-    import torch
 
-    from llmlab.moe import route
 
     for why in _balance_variants(logits, ref.expert):
         x = logits.clone().requires_grad_(True)  # (T, E)
@@ -256,7 +246,6 @@ def lsq_inputs(shape, bits: int, seed: int | None = None):
     half step just past each end of the grid, where LSQ's paper and PyTorch's op draw the clipping line
     differently (llmlab.quant's module docstring): there both conventions give the same gradients. With more
     than one element, the largest |v| is made an outlier 1.3 steps beyond the grid, so something is clipped."""
-    import torch
 
     g = torch.Generator().manual_seed(seed if seed is not None else random.randrange(2**31))
     q_min, q_max = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
@@ -287,7 +276,6 @@ def _lsq_cases(rng: random.Random):
 def lsq(fn):
     """`fn(v, step, bits)`: signed per-tensor LSQ of v with the (1,) learnable step, as
     torch._fake_quantize_learnable_per_tensor_affine(v, step, 0, −Q_N, Q_P, grad_factor=1/√(N·Q_P))."""
-    import torch
 
     for shape, bits in _lsq_cases(fresh_rng()):
         q_min, q_max = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1

@@ -28,7 +28,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch.distributed as td
+
 from llmlab import validation
+from llmlab.dist.commlog import CommLog
+from llmlab.monitor import profile_step
 
 __all__ = ["CommShare", "comm_share", "Remedy", "CommVerdict", "comm_verdict", "RankTiming", "rank_timing",
            "Straggler", "find_straggler"]
@@ -44,8 +48,6 @@ def _ms(seconds: float) -> str:
 
 
 def _rank() -> int:
-    import torch.distributed as td
-
     return td.get_rank() if td.is_initialized() else 0
 
 
@@ -94,10 +96,7 @@ def comm_share(step_fn: Callable[[], object], steps: int = 3, warmup: int = 1) -
     peers arrive, so the wait is in it); CommLog's time there also holds the compute kernels still queued when
     the collective was called. Async collectives (DDP's buckets) show only their launch; their wait is "other".
     """
-    import torch.distributed as td
 
-    from llmlab.dist.commlog import CommLog
-    from llmlab.monitor import profile_step
 
     _check_steps(step_fn, steps, warmup)
     nccl = td.is_initialized() and td.get_backend() == "nccl"
@@ -214,7 +213,6 @@ class RankTiming:
 def rank_timing(step_fn: Callable[[], object], steps: int = 5, warmup: int = 1) -> RankTiming:
     """On every rank: time `steps` calls of `step_fn` (after `warmup`), the time inside collectives by a CommLog.
     Medians over the steps, so that one step the OS stalled does not make a straggler."""
-    from llmlab.dist.commlog import CommLog
 
     _check_steps(step_fn, steps, warmup)
     for _ in range(warmup):

@@ -21,6 +21,8 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
+import cloudpickle
+
 
 def _die_with_parent(parent_pid: int) -> None:
     """Ask Linux to SIGKILL this rank when the launcher dies, even while it is stuck in a C call."""
@@ -37,8 +39,8 @@ def _join(boot: dict):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(boot["store_port"]))
-    import torch
-    import torch.distributed as dist
+    import torch  # after the rank's environment is set (device, backend)
+    import torch.distributed as dist  # after the rank's environment is set (device, backend)
 
     torch.set_num_threads(boot["threads"])
     if boot["backend"] == "nccl":
@@ -53,8 +55,6 @@ def _join(boot: dict):
 
 
 def _error_message(exc: BaseException):
-    import cloudpickle
-
     try:
         payload = cloudpickle.dumps(exc)
         cloudpickle.loads(payload)  # some exceptions pickle but cannot be rebuilt
@@ -64,8 +64,6 @@ def _error_message(exc: BaseException):
 
 
 def main() -> None:
-    import cloudpickle
-
     conn = Connection(int(os.environ["LLMLAB_WORKER_FD"]))
     boot = conn.recv()
     if boot["die_with_parent"]:

@@ -35,9 +35,12 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+import torch.distributed as td
 
-from llmlab import validation
+from llmlab import dist, runtime, validation
 from llmlab.dist import cost
+from llmlab.dist.collectives import ring_all_reduce, tree_all_reduce
 
 __all__ = ["DEFAULT_SIZES", "CLAIM_SIZES", "IMPLS", "AllReduceRun", "measure", "bench", "recent", "format_bytes"]
 
@@ -152,11 +155,7 @@ class AllReduceRun:
 
 def _time_on_rank(sizes, repeats: int, span_s: float) -> dict[str, list[list[float]]]:
     """On every rank: {impl: [seconds per call of each repeat] per size}, as this rank saw them."""
-    import torch
-    import torch.distributed as td
 
-    from llmlab import runtime
-    from llmlab.dist.collectives import ring_all_reduce, tree_all_reduce
 
     device, n = runtime.device(), td.get_world_size()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -218,7 +217,6 @@ def measure(sizes=DEFAULT_SIZES, world_size: int = 4, *, cluster=None, repeats: 
     `world_size` ranks is started and stopped here. `repeats` timed repeats per size and implementation;
     `span_s`: how long one timed run of back-to-back calls should last at least (small messages).
     """
-    from llmlab import dist
 
     sizes = _check_sizes(sizes)
     validation.integer("repeats", repeats, low=1)

@@ -39,9 +39,10 @@ import threading
 import time
 import weakref
 from collections import deque
+from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 
-from llmlab import validation
+from llmlab import runtime, validation
 
 __all__ = ["Cluster", "spawn", "RankError", "RankCrashed"]
 
@@ -98,7 +99,7 @@ def _ranks(ranks) -> str:
 
 def _pack(fn, args) -> bytes:
     """cloudpickle `fn` and `args` once, naming the piece that cannot travel to the ranks."""
-    import cloudpickle
+    import cloudpickle  # on the ranks only: `import llmlab.dist` stays light in the parent
 
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r:.60}")
@@ -197,8 +198,6 @@ class Cluster:
 
     def __init__(self, world_size: int, *, backend: str | None = None, start_timeout: float = 120.0,
                  threads_per_rank: int | None = None, env: dict[str, str] | None = None):
-        from llmlab import runtime
-
         self.world_size = validation.integer("world_size", world_size, low=1)
         self.env = _check_env(env)
         self.backend = backend or runtime.backend(world_size)
@@ -220,9 +219,8 @@ class Cluster:
         if self.alive:
             return self
         self.close()
-        from datetime import timedelta
 
-        import torch.distributed as td
+        import torch.distributed as td  # on the ranks only: `import llmlab.dist` stays light in the parent
 
         self._store = td.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=self.start_timeout),
                                   wait_for_workers=False)

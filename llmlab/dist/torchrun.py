@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 
+from llmlab import runtime
+
 _REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -22,10 +24,9 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
     The backend is NCCL when this node has a GPU for each of its ranks (LOCAL_WORLD_SIZE), else gloo;
     under NCCL each rank uses cuda:LOCAL_RANK. Calling it again in the same process returns the same pair.
     """
-    import torch
-    import torch.distributed as td
+    import torch  # torch loads in seconds: `import llmlab.dist` stays light
+    import torch.distributed as td  # torch loads in seconds: `import llmlab.dist` stays light
 
-    from llmlab import runtime
 
     if td.is_initialized():
         return td.get_rank(), td.get_world_size()

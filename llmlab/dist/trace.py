@@ -24,6 +24,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+import torch.distributed as td
+
+from llmlab import runtime
+from llmlab.dist import collectives
+from llmlab.dist.collectives import ring_all_reduce, tree_all_reduce
+from llmlab.dist.commlog import CommLog
 
 __all__ = ["Step", "ring_steps", "ring_states", "plot_ring_steps", "ALGORITHMS", "traffic", "traffic_matrix",
            "plot_traffic"]
@@ -53,7 +60,6 @@ def _decode(value: int, n: int) -> tuple[int, tuple[int, ...]]:
 @contextmanager
 def _recording(messages: list):
     """Keep a copy of what every `exchange` of llmlab's collectives sends and receives while the block runs."""
-    from llmlab.dist import collectives
 
     original = collectives.exchange
 
@@ -70,11 +76,7 @@ def _recording(messages: list):
 
 def ring_steps(group=None) -> list[Step]:
     """On every rank of `group`: run `ring_all_reduce` on N tagged elements and return this rank's 2(N−1) steps."""
-    import torch
-    import torch.distributed as td
 
-    from llmlab import runtime
-    from llmlab.dist.collectives import ring_all_reduce
 
     rank, n = td.get_rank(group), td.get_world_size(group)
     if n > 29:  # tags reach 2^(2n + ⌈log₂n⌉), which must fit in an int64
@@ -119,7 +121,7 @@ def ring_states(per_rank: list[list[Step]]) -> np.ndarray:
 def plot_ring_steps(per_rank: list[list[Step]], fig=None):
     """A panel per step: rows are ranks, columns chunks, colour = how many ranks' shares the copy sums;
     the outlined cell is the chunk the rank sends at the next step. Returns the matplotlib Figure."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib loads in about a second: only when a figure is drawn
 
     n, states = len(per_rank), ring_states(per_rank)
     counts = np.vectorize(lambda m: bin(int(m)).count("1"))(states)  # (steps+1, n, n)
@@ -153,11 +155,7 @@ ALGORITHMS = ("ring", "tree", "double tree")
 
 def traffic(algorithm: str, nbytes: int = 1 << 20, group=None) -> dict[int, int]:
     """On every rank: {peer: bytes this rank sent it} during one `algorithm` all-reduce of `nbytes` of fp32."""
-    import torch
 
-    from llmlab import runtime
-    from llmlab.dist.collectives import ring_all_reduce, tree_all_reduce
-    from llmlab.dist.commlog import CommLog
 
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} must be one of {ALGORITHMS}")
@@ -187,7 +185,7 @@ def traffic_matrix(per_rank: list[dict[int, int]]) -> np.ndarray:
 def plot_traffic(matrices: dict[str, np.ndarray], nbytes: int, fig=None):
     """A heat map of bytes sent, src × dst, per algorithm, and each rank's bytes sent + received, in units of
     the buffer size S. Returns the matplotlib Figure."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # matplotlib loads in about a second: only when a figure is drawn
 
     if fig is None:
         fig = plt.figure(figsize=(3.0 * len(matrices) + 3.6, 2.9))

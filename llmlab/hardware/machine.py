@@ -23,16 +23,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmlab import validation
+import torch
+
+from llmlab import runtime, validation
+from llmlab.timing import median_seconds
 
 __all__ = ["Measured", "device_name", "measure"]
 
 
 def device_name(device=None) -> str:
     """A human name for `device` (default: this tier's): the GPU's marketing name, or the CPU model."""
-    import torch
 
-    from llmlab import runtime
 
     device = runtime.device() if device is None else torch.device(device)
     if device.type == "cuda":
@@ -66,7 +67,6 @@ class Measured:
 def _median_within(fn, device, budget: float, started: float, first: float) -> float:
     """Median time of `fn`: `first` (a run already timed) plus more runs while the `budget` counted from
     `started` lasts; at least 3 in all (a median of fewer is no median), at most 50."""
-    from llmlab.timing import median_seconds
 
     times = [first]
     # one more run, if it would still end inside the budget (runs last about `first` each)
@@ -77,7 +77,6 @@ def _median_within(fn, device, budget: float, started: float, first: float) -> f
 
 def _matmul(n: int, device):
     """A function computing one n×n @ n×n fp32 product into a preallocated output."""
-    import torch
 
     a, b = (torch.randn(n, n, device=device) for _ in range(2))
     c = torch.empty(n, n, device=device)
@@ -92,7 +91,6 @@ def _matmul_flops(device, budget: float) -> tuple[float, int]:
     enough to time reliably, or to the largest size a small machine's memory holds. On a GPU this is true
     fp32 unless TF32 was switched on (`torch.set_float32_matmul_precision("high")`); torch's default is off.
     """
-    from llmlab.timing import median_seconds
 
     started = time.perf_counter()
     # start where the machine is already well filled: a slow first run (a busy machine) must not stop the
@@ -113,9 +111,7 @@ def _copy_bandwidth(device, budget: float) -> tuple[float, int]:
     A copy reads every byte once and writes it once, so it moves 2 × nbytes; that is the figure compared with
     a memory's rated bandwidth (STREAM's "Copy" counts the same way).
     """
-    import torch
 
-    from llmlab.timing import median_seconds
 
     started = time.perf_counter()
     nbytes = (1 << 30) if device.type == "cuda" else (128 << 20)
@@ -128,9 +124,7 @@ def _copy_bandwidth(device, budget: float) -> tuple[float, int]:
 
 def measure(device=None, seconds: float = 1.0) -> Measured:
     """Measure matmul FLOP/s and copy bandwidth on `device` (default: this tier's) in about `seconds`."""
-    import torch
 
-    from llmlab import runtime
 
     if math.isinf(validation.positive("seconds", seconds)):
         raise ValueError(f"seconds={seconds!r} must be a finite positive number")

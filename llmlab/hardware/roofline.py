@@ -20,7 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from llmlab import validation
+import numpy as np
+import torch
+
+from llmlab import runtime, validation
+from llmlab.timing import median_seconds
 
 __all__ = ["gemm_flops", "gemm_bytes", "gemm_intensity", "attainable", "ridge_point", "bound", "Point",
            "model_gemms", "measure_point", "plot"]
@@ -86,10 +90,7 @@ class Point:
 def measure_point(point: Point, device=None, repeats: int = 5) -> Point:
     """`point` with its FLOP/s measured here (fp32 when bytes_per_element is 4, else bf16 on a GPU / fp32 on
     a CPU, whose matmul has no fast bf16 path)."""
-    import torch
 
-    from llmlab import runtime
-    from llmlab.timing import median_seconds
 
     device = runtime.device() if device is None else torch.device(device)
     dtype = torch.bfloat16 if (device.type == "cuda" and point.bytes_per_element == 2) else torch.float32
@@ -114,8 +115,7 @@ def plot(devices: dict[str, tuple[float, float]], points: list[Point] = (), ax=N
     A point with `measured_flops` is drawn at that height; one without is a dotted line at its intensity,
     labelled at the bottom (the roofs above it say what it could reach).
     """
-    import matplotlib.pyplot as plt
-    import numpy as np
+    import matplotlib.pyplot as plt  # matplotlib loads in about a second: only when a figure is drawn
 
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4.5))

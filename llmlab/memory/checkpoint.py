@@ -36,8 +36,11 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack, contextmanager
 
 import torch
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from llmlab import validation
+from llmlab import runtime, validation
+from llmlab.memory import measure
+from llmlab.model import GPT, GPTConfig
 from llmlab.timing import compare
 
 __all__ = ["checkpoint", "checkpoint_sequential", "checkpointed", "segment_sweep", "bench_every_block", "bench"]
@@ -155,8 +158,6 @@ def checkpointed(modules: Iterable[torch.nn.Module], using: Callable = checkpoin
 # --- measured: saved bytes vs segments, step time (`llmlab bench checkpoint`; claim C9, llmlab.claims.ch03) ---
 
 def _torch_checkpoint() -> Callable:
-    from torch.utils.checkpoint import checkpoint as torch_checkpoint
-
     return functools.partial(torch_checkpoint, use_reentrant=False)
 
 
@@ -168,8 +169,6 @@ def segment_sweep(segments: Sequence[int] = (1, 2, 4, 8, 16), n_layer: int = 16,
     holds no more (fewer inputs, one segment's activations), so with equal segments this is also the peak.
     (k - 1)·I + (n/k)·A is smallest at k ≈ √(n·A/I): √n when A ≈ I; a tiny block saves A ≈ 20·I at T = 64,
     so the minimum shows once n > 20 (e.g. n_layer=64: k = 32 beats both 16 and 64)."""
-    from llmlab.memory import measure
-    from llmlab.model import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset(preset, n_layer=n_layer))
@@ -188,9 +187,6 @@ def segment_sweep(segments: Sequence[int] = (1, 2, 4, 8, 16), n_layer: int = 16,
 def _gpt_steps(preset: str | None, batch_size: int | None):
     """A GPT of `preset` (this tier's by default) on this tier's device and step(using, backward) -> saved
     bytes: one forward (+ backward) with every block under `using` (None: not checkpointed)."""
-    from llmlab import runtime
-    from llmlab.memory import measure
-    from llmlab.model import GPT, GPTConfig
 
     p, device = runtime.preset(), runtime.device()
     torch.manual_seed(0)

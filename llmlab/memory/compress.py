@@ -35,8 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from llmlab import validation
+from llmlab import runtime, validation
+from llmlab.data import MarkovSource, SyntheticDataset
 from llmlab.memory import measure
+from llmlab.model import GPT, GPTConfig
 from llmlab.timing import compare
 
 __all__ = ["BITS", "Packed", "quantize", "dequantize", "compressed_activations", "CompressedActivations",
@@ -191,9 +193,6 @@ def compressed_activations(bits: int = 8, group_size: int = 128) -> CompressedAc
 # --- measured: bytes, loss curves, time (`llmlab bench compress`; claim C11 uses them, llmlab.claims.ch03) ---
 
 def _tiny_batch(dtype: torch.dtype, batch_size: int, seq_len: int, device):
-    from llmlab.data import MarkovSource, SyntheticDataset
-    from llmlab.model import GPT, GPTConfig
-
     torch.manual_seed(0)
     model = GPT(GPTConfig.preset("tiny")).to(device=device, dtype=dtype)
     data = SyntheticDataset(MarkovSource(model.config.vocab_size, seed=0), batch_size, seq_len)
@@ -217,8 +216,6 @@ def loss_curves(steps: int = 50, bits: int = 8, batch_size: int = 8, seq_len: in
                 device="cpu") -> dict[str, list[float]]:
     """The tiny GPT trained `steps` AdamW steps from the same init on the same batches (a bigram Markov
     chain), with saved activations uncompressed and compressed to `bits`: {"uncompressed", "compressed"}."""
-    from llmlab.data import MarkovSource, SyntheticDataset
-    from llmlab.model import GPT, GPTConfig
 
     curves = {}
     for name in ("uncompressed", "compressed"):
@@ -242,7 +239,6 @@ def loss_curves(steps: int = 50, bits: int = 8, batch_size: int = 8, seq_len: in
 def bench(batch_size: int | None = None, repeats: int = 5) -> list[dict]:
     """Saved bytes and forward + backward time of the tiny GPT with 8-bit compressed activations vs
     uncompressed, in fp32 and bf16 (this tier's device and batch size)."""
-    from llmlab import runtime
 
     device, B = runtime.device(), batch_size or runtime.preset().batch_size
     rows = []

@@ -18,6 +18,8 @@ import io
 import math
 from collections.abc import Callable
 
+from llmlab.hardware import SPECS
+
 __all__ = ["png", "explorer", "result_explorer", "gpu_spec", "si", "count", "ibytes", "choices"]
 
 
@@ -30,7 +32,7 @@ def png(fig) -> bytes:
 
 def _box_class():
     """A VBox whose display carries a static fallback (plain text, optionally a PNG) next to the widget view."""
-    import ipywidgets
+    import ipywidgets  # only when a widget is built: `import llmlab.widgets` loads no Jupyter
 
     class Explorer(ipywidgets.VBox):
         def _static(self) -> dict:  # set by `explorer`: mimetype -> data of the current result
@@ -56,7 +58,7 @@ def explorer(controls: dict, render: Callable, *, layout=None, plot: bool = True
     choice moves another slider). `layout` replaces the controls' plain column (a list of widgets). The result
     has `.controls`, `.result` (HTML), `.plot` (Image, when `plot`) and `.update()`.
     """
-    import ipywidgets as w
+    import ipywidgets as w  # only when a widget is built: `import llmlab.widgets` loads no Jupyter
 
     result, image = w.HTML(), w.Image(format="png")
     state = {"text": "", "png": b""}
@@ -105,7 +107,6 @@ def result_explorer(controls: dict, current: Callable[[], object], describe: Cal
 
 def gpu_spec(gpu: str):
     """The spec sheet's row for `gpu` (`llmlab.hardware.SPECS`), or a ValueError naming the choices."""
-    from llmlab.hardware import SPECS
 
     if gpu not in SPECS:
         raise ValueError(f"gpu={gpu!r} is not on the spec sheet; choose from {', '.join(SPECS)}")

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
+from llmlab.dist import cost
 from llmlab.widgets.base import choices, ibytes, result_explorer, si
 
 __all__ = ["allreduce_cost", "format_allreduce_cost", "allreduce_cost_figure", "allreduce_cost_explorer"]
 
 
 def _links(links: dict | None) -> dict:
-    from llmlab.dist import cost
-
     return {**cost.LINKS, **(links or {})}
 
 
@@ -26,7 +27,6 @@ def allreduce_cost(n: int, nbytes: float, link: str = "nvlink4", alpha: float | 
     bandwidths (nccl-tests' definition, bytes/s), crossover_bytes (below it the tree is faster), faster
     ('ring' or 'tree'), and the inputs with the link's name, α and β.
     """
-    from llmlab.dist import cost
 
     table = _links(links)
     if link not in table:
@@ -55,10 +55,8 @@ def format_allreduce_cost(r: dict) -> str:
 def allreduce_cost_figure(r: dict, measured: dict | None = None):
     """Ring and tree time vs message size on `r`'s link and ranks (the model), `r`'s size marked, and
     `measured` points ({label: [(bytes, seconds), ...]}) overlaid. A matplotlib Figure, not attached to pyplot."""
-    import numpy as np
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib loads in about a second: only when a figure is drawn
 
-    from llmlab.dist import cost
 
     measured = measured or {}
     lo = min([1024.0, r["nbytes"] / 4] + [s for pts in measured.values() for s, _ in pts])
@@ -91,7 +89,7 @@ def allreduce_cost_explorer(n: int = 8, nbytes: float = 256 * 2**20, link: str =
     then explores other latencies. `.result` (HTML) holds `format_allreduce_cost(...)`, `.plot` (an Image) the
     figure, `.controls` the controls.
     """
-    import ipywidgets as w
+    import ipywidgets as w  # only when a widget is built: `import llmlab.widgets` loads no Jupyter
 
     table = _links(links)
     first = allreduce_cost(n, nbytes, link, alpha, links)  # refuse bad defaults before building

@@ -78,7 +78,7 @@ def format_roofline(r: dict, device: str = "") -> str:
 
 def roofline_figure(r: dict, device: str):
     """A matplotlib Figure (not attached to pyplot) of `device`'s roof with the GEMM `r` placed on it."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib loads in about a second: only when a figure is drawn
 
     fig = Figure(figsize=(6.4, 3.8))  # fixed margins: a layout engine would double the drawing time
     fig.subplots_adjust(left=0.12, right=0.97, bottom=0.14, top=0.9)
@@ -99,7 +99,7 @@ def training_time_calculator(n_params: float = 175e9, tokens: float = 300e9, gpu
     Its result (`.result`, an HTML widget) is `format_estimate(training_estimate(...))` of the controls'
     values, recomputed whenever one moves. `.controls` maps argument names to the control widgets.
     """
-    import ipywidgets as w
+    import ipywidgets as w  # only when a widget is built: `import llmlab.widgets` loads no Jupyter
 
     training_estimate(n_params, tokens, gpu, gpus, mfu, precision)  # refuse bad defaults before building
     style, layout = {"description_width": "150px"}, w.Layout(width="560px")
@@ -127,7 +127,7 @@ def training_time_calculator(n_params: float = 175e9, tokens: float = 300e9, gpu
 
 def _size_slider(value: int, description: str):
     """m, n or k: 1, 1.5, 2, 3, 4, 6, 8, … 65536 (powers of 2 and 1.5× them), plus `value`."""
-    import ipywidgets as w
+    import ipywidgets as w  # only when a widget is built: `import llmlab.widgets` loads no Jupyter
 
     validation.positive_int(description.split()[0], value)
     options = [(label, int(v)) for label, v in choices(value, range(0, 17), lambda v: str(int(v)), (1, 1.5), 2)
@@ -145,7 +145,7 @@ def roofline_explorer(m: int = 512, n: int = 2304, k: int = 768, dtype: str = "b
     used for every element type. `.result` (HTML) holds `format_roofline(...)`, `.plot` (an Image widget) the
     figure; `.controls` maps argument names to the controls.
     """
-    import ipywidgets as w
+    import ipywidgets as w  # only when a widget is built: `import llmlab.widgets` loads no Jupyter
 
     extra = dict(devices or {})
     validation.one_of("dtype", dtype, DTYPES)

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import torch
+
 from llmlab import validation
+from llmlab.model import GPT, GPTConfig
+from llmlab.moe import route
+from llmlab.quant import LSQQuantizer, MinMaxQuantizer
 from llmlab.widgets.base import result_explorer
 
 __all__ = ["MOE_CAPACITY_FACTORS", "moe_routing", "format_moe_routing", "moe_routing_figure", "moe_routing_explorer",
@@ -29,9 +35,7 @@ def moe_routing(num_experts: int = 8, k: int = 2, capacity_factor: float | None 
     gates (shown × E: each of the first `shown` tokens' gate per expert, 0 where not chosen), dropped (shown × E
     bool: a choice that lost its slot), and the inputs. Lists and floats, so a test or a plot reads it directly.
     """
-    import torch
 
-    from llmlab.moe import route
 
     validation.integer("num_experts", num_experts, low=1)
     validation.integer("k", k, 1, num_experts, hint="(experts per token, at most num_experts)")
@@ -69,8 +73,7 @@ def format_moe_routing(r: dict) -> str:
 def moe_routing_figure(r: dict):
     """A matplotlib Figure (not attached to pyplot): assignments per expert, kept and dropped, with the capacity
     line; and the first tokens' gates as a tokens × experts heat map, dropped choices crossed out."""
-    import numpy as np
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib loads in about a second: only when a figure is drawn
 
     fig = Figure(figsize=(9, 3.4))  # fixed margins: a layout engine would double the drawing time
     fig.subplots_adjust(left=0.07, right=0.93, bottom=0.16, top=0.86, wspace=0.3)
@@ -106,7 +109,7 @@ def moe_routing_explorer(num_experts: int = 8, k: int = 2, capacity_factor: floa
     argument names to the controls (the capacity factor's holds a label: '1.25', 'dropless'); `.routing()`
     returns the current `moe_routing` dict.
     """
-    import ipywidgets as w
+    import ipywidgets as w  # only when a widget is built: `import llmlab.widgets` loads no Jupyter
 
     moe_routing(num_experts, k, capacity_factor, skew, tokens)  # refuse bad defaults before building
     validation.one_of("capacity_factor", capacity_factor, MOE_CAPACITY_FACTORS, hint="(the explorer's stops)")
@@ -142,11 +145,8 @@ _WEIGHTS: dict = {}  # (seed, name) -> a weight of the tiny GPT at initialisatio
 def tiny_gpt_weight(name: str = "transformer.h.0.mlp.c_fc.weight", seed: int = 0):
     """A copy of one weight of the tiny GPT at initialisation (N(0, 0.02²), as GPT-2's): by default the first MLP's
     c_fc weight, (256, 64)."""
-    import torch
 
     if (seed, name) not in _WEIGHTS:
-        from llmlab.model import GPT, GPTConfig
-
         generator_state = torch.random.get_rng_state()
         try:
             torch.manual_seed(seed)
@@ -161,9 +161,7 @@ def tiny_gpt_weight(name: str = "transformer.h.0.mlp.c_fc.weight", seed: int = 0
 
 def _fake_quantize(w, bits: int, signed: bool, step: float):
     """w fake-quantized by an LSQQuantizer with its step set to `step` (llmlab.quant; the zero point is 0)."""
-    import torch
 
-    from llmlab.quant import LSQQuantizer
 
     q = LSQQuantizer(bits, signed=signed)
     with torch.no_grad():
@@ -175,9 +173,7 @@ def _fake_quantize(w, bits: int, signed: bool, step: float):
 def _minmax(w, bits: int, signed: bool):
     """(ŵ, step) of a MinMaxQuantizer that has seen w: the grid spread over w's [min, max] (with a zero point when
     unsigned)."""
-    import torch
 
-    from llmlab.quant import MinMaxQuantizer
 
     quantizer = MinMaxQuantizer(bits, signed=signed)
     with torch.no_grad():
@@ -187,7 +183,6 @@ def _minmax(w, bits: int, signed: bool):
 
 def _lsq_step(w, bits: int, signed: bool) -> float:
     """LSQ's initial step for w, 2·mean|w|/√Q_P, as LSQQuantizer.init_step computes it."""
-    from llmlab.quant import LSQQuantizer
 
     quantizer = LSQQuantizer(bits, signed=signed)
     quantizer.init_step(w)
@@ -208,7 +203,6 @@ def quant_grid(bits: int = 4, signed: bool = True, step: float | None = None, we
     [min, max], with a zero point when unsigned), bits_range with minmax_error and lsq_error (the relative error
     of a MinMaxQuantizer and of LSQ at its initial step, per bit width), and the inputs.
     """
-    import torch
 
     validation.integer("bits", bits, 2, 16)
     validation.boolean("signed", signed)
@@ -246,8 +240,7 @@ def format_quant_grid(r: dict) -> str:
 def quant_grid_figure(r: dict):
     """A matplotlib Figure (not attached to pyplot): the weights' histogram with the grid's levels and how many
     weights land on each; and the relative error against bits for MinMax's and LSQ's step, this grid marked."""
-    import numpy as np
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib loads in about a second: only when a figure is drawn
 
     fig = Figure(figsize=(9, 3.4))
     fig.subplots_adjust(left=0.07, right=0.98, bottom=0.16, top=0.86, wspace=0.28)
@@ -285,7 +278,7 @@ def quant_explorer(bits: int = 4, signed: bool = True, step: float | None = None
     'bits', 'signed' and 'step' to the controls (moving bits or signed resets the step to LSQ's initial one);
     `.grid()` returns the current `quant_grid` dict.
     """
-    import ipywidgets as w
+    import ipywidgets as w  # only when a widget is built: `import llmlab.widgets` loads no Jupyter
 
     first = quant_grid(bits, signed, step, weights)  # refuse bad defaults before building
     validation.integer("bits", bits, 2, 8, hint="(for the explorer)")

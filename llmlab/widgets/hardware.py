@@ -12,7 +12,8 @@ imported only when one of these runs.
 
 from __future__ import annotations
 
-from llmlab.hardware import SPECS
+from llmlab.dist import cost
+from llmlab.hardware import SPECS, cluster
 from llmlab.widgets.base import choices, count, result_explorer, si
 from llmlab.widgets.memory import MEMORY_MODELS, memory_model_config
 
@@ -28,7 +29,6 @@ CALCULATOR_FIELDS = ("tokens", "batch_tokens", "gpu", "gpus", "tp", "pp", "micro
 def cluster_models() -> dict:
     """The models the calculator offers, name → `GPTConfig`: chapter 3's published sizes (`MEMORY_MODELS`), then
     each preset's model that is not among them, named after its preset ("7b-64xH100's model")."""
-    from llmlab.hardware import cluster
 
     models = {name: memory_model_config(name) for name in MEMORY_MODELS}
     for name, config in cluster.PRESETS.items():
@@ -44,7 +44,6 @@ def _model_name(config) -> str:
 def _config(preset: str, model: str | None, changes: dict):
     """`cluster.preset(preset, **changes)` with the model chosen by name and, unless `changes` sets it, the data
     degree dp = gpus // (tp·pp) (a layout whose degrees do not multiply to gpus is then refused by ClusterConfig)."""
-    from llmlab.hardware import cluster
 
     base = cluster.preset(preset)  # refuses an unknown preset by name
     if model is not None:
@@ -69,7 +68,6 @@ def cluster_estimate(preset: str = "gpt3-175b-1024xA100", model: str | None = No
     days, gpu_hours, mfu (end to end), steps, n_params, model (its name), preset, and summary (the one-line
     `format_cluster_estimate`). A layout the library refuses raises its ValueError.
     """
-    from llmlab.hardware import cluster
 
     config = _config(preset, model, changes)
     t = cluster.step_time(config)
@@ -82,7 +80,6 @@ def cluster_estimate(preset: str = "gpt3-175b-1024xA100", model: str | None = No
 
 def format_cluster_estimate(r: dict) -> str:
     """One line saying what `cluster_estimate` found: the layout, the step part by part, days and GPU-hours."""
-    from llmlab.dist import cost
 
     c = r["config"]
     days = f"{r['days']:,.1f}" if r["days"] >= 1 else f"{r['days']:.2g}"
@@ -97,7 +94,7 @@ def format_cluster_estimate(r: dict) -> str:
 def _stacked(labels: list[str], steps: list, height: float, left: float):
     """A Figure `height` inches tall of horizontal bars, one per StepTime of `steps`, its parts stacked in
     STEP_PARTS order, the legend under the axis; `left` is the margin for the bar labels (a fraction)."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib loads in about a second: only when a figure is drawn
 
     from llmlab import plots  # pyplot loads with it: only when a figure is drawn, not on `import llmlab.widgets`
 
@@ -126,7 +123,6 @@ def cluster_step_figure(r: dict):
 def link_step_figure(times: dict):
     """A matplotlib Figure (not attached to pyplot): one stacked bar per link of `times` (link key → StepTime,
     as `cluster.link_step_times` returns), labelled with the link's name and per-direction bandwidth."""
-    from llmlab.dist import cost
 
     if not times:
         raise ValueError("times is empty: give {link key: StepTime}, e.g. cluster.link_step_times(config)")
@@ -154,10 +150,8 @@ def cluster_calculator(preset: str = "gpt3-175b-1024xA100", model: str | None = 
     `.result` (HTML) holds the summary line, `.plot` (an Image widget) the stacked bar, `.controls` maps argument
     names to the controls, `.estimate()` returns the current `cluster_estimate` dict.
     """
-    import ipywidgets as w
+    import ipywidgets as w  # only when a widget is built: `import llmlab.widgets` loads no Jupyter
 
-    from llmlab.dist import cost
-    from llmlab.hardware import cluster
 
     unknown = sorted(set(changes) - set(CALCULATOR_FIELDS))
     if unknown:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from llmlab import flops, validation
 from llmlab.hardware import SPECS
+from llmlab.memory import planner
+from llmlab.model import GPTConfig
 from llmlab.widgets.base import count, gpu_spec, result_explorer
 
 __all__ = ["MEMORY_MODELS", "memory_model_config", "MEMORY_CATEGORIES", "memory_plan", "format_memory_plan",
@@ -31,7 +33,6 @@ MEMORY_CATEGORIES = {"params": "parameters", "grads": "gradients", "optimizer_st
 
 def memory_model_config(model: str):
     """The `GPTConfig` of a MEMORY_MODELS name (also the models of chapter 5's cluster calculator)."""
-    from llmlab.model import GPTConfig
 
     if model not in MEMORY_MODELS:
         raise ValueError(f"model={model!r} unknown; choose from {list(MEMORY_MODELS)}")
@@ -50,7 +51,6 @@ def memory_plan(model: str = "GPT-3 6.7B", batch_size: int = 1, seq_len: int | N
     Returns a dict: plan (the planner.Plan), breakdown (its bytes by category), total, memory (the GPU's bytes),
     fits, by_stage (the Plan of every ZeRO stage 0–3 with the rest unchanged), num_params, config, and the inputs.
     """
-    from llmlab.memory import planner
 
     config = memory_model_config(model)
     spec = gpu_spec(gpu)
@@ -85,9 +85,9 @@ def format_memory_plan(r: dict) -> str:
 def memory_plan_figure(r: dict):
     """A matplotlib Figure (not attached to pyplot): one stacked bar per ZeRO stage of `r`'s configuration (the
     chosen stage solid), by category, with the GPU's memory as a dashed line."""
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
+    from matplotlib.figure import Figure  # matplotlib loads in about a second: only when a figure is drawn
+    from matplotlib.lines import Line2D  # matplotlib loads in about a second: only when a figure is drawn
+    from matplotlib.patches import Patch  # matplotlib loads in about a second: only when a figure is drawn
 
     from llmlab import plots  # pyplot loads with it: only when a figure is drawn, not on `import llmlab.widgets`
 
@@ -128,7 +128,7 @@ def memory_planner(model: str = "GPT-3 6.7B", batch_size: int = 1, seq_len: int 
     refuses (a tensor degree not dividing the heads, a sequence longer than the model's context) says why
     instead of raising.
     """
-    import ipywidgets as w
+    import ipywidgets as w  # only when a widget is built: `import llmlab.widgets` loads no Jupyter
 
     memory_plan(model, batch_size, seq_len, stage, data, checkpointing, tensor, gpu)  # refuse bad defaults
     style, layout = {"description_width": "150px"}, w.Layout(width="480px")

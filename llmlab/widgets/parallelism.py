@@ -9,6 +9,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import torch
+
+from llmlab import precision
+from llmlab.data import MarkovSource, SyntheticDataset
+from llmlab.model import GPT, GPTConfig
+from llmlab.parallel import pipeline
 from llmlab.widgets.base import explorer, result_explorer
 
 __all__ = ["PIPELINE_SCHEDULES", "pipeline_schedule", "format_pipeline", "pipeline_figure", "pipeline_explorer",
@@ -30,7 +37,6 @@ def pipeline_schedule(stages: int = 4, micro_batches: int = 8, schedule: str = "
     ((p−1)/(m+p−1)), makespan, ideal (m·(1 + backward_ratio): one stage's work with no bubble), peak_in_flight
     (per stage: the most micro-batches whose activations it holds at once), and the inputs.
     """
-    from llmlab.parallel import pipeline
 
     timeline = pipeline.simulate(schedule, stages, micro_batches, t_forward=1.0, t_backward=backward_ratio)
     return {"stages": stages, "micro_batches": micro_batches, "schedule": schedule, "backward_ratio": backward_ratio,
@@ -51,7 +57,7 @@ def format_pipeline(r: dict) -> str:
 
 def pipeline_figure(r: dict):
     """A matplotlib Figure (not attached to pyplot) of `r`'s timeline, drawn by plots.plot_timeline."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib loads in about a second: only when a figure is drawn
 
     from llmlab import plots  # pyplot loads with it: only when a figure is drawn, not on `import llmlab.widgets`
 
@@ -73,7 +79,7 @@ def pipeline_explorer(stages: int = 4, micro_batches: int = 8, schedule: str = "
     `.result` (HTML) holds `format_pipeline(...)`, `.plot` (an Image widget) the timeline; `.controls` maps
     argument names to the controls; `.schedule()` returns the current `pipeline_schedule` dict.
     """
-    import ipywidgets as w
+    import ipywidgets as w  # only when a widget is built: `import llmlab.widgets` loads no Jupyter
 
     pipeline_schedule(stages, micro_batches, schedule, backward_ratio)  # refuse bad defaults before building
     if not 1 <= stages <= 16 or not 1 <= micro_batches <= 64:
@@ -99,7 +105,6 @@ def pipeline_explorer(stages: int = 4, micro_batches: int = 8, schedule: str = "
 
 def format_representation(value: float) -> str:
     """A small table of how `value` is stored in fp32, fp16 and bf16 (`llmlab.precision.representation`)."""
-    from llmlab import precision
 
     rep = precision.representation(value)
     lines = [f"value {value:.7g}", f"{'':6}{'stored':>16}{'rel. error':>12}  what happened"]
@@ -120,13 +125,9 @@ _GRADIENTS: dict = {}  # seed -> the tiny GPT's flat gradient, computed once per
 
 
 def _tiny_gpt_gradient(seed: int):
-    import torch
-
     if seed in _GRADIENTS:
         return _GRADIENTS[seed]
 
-    from llmlab.data import MarkovSource, SyntheticDataset
-    from llmlab.model import GPT, GPTConfig
 
     generator_state = torch.random.get_rng_state()
     try:
@@ -152,7 +153,6 @@ def gradient_underflow(log2_scale: float = 0.0, grads=None) -> dict:
     fp16 flushes to 0, stores as subnormals, or turns into inf), log2_unscaled and log2_scaled (numpy arrays of
     log2 |g| and log2 |g·S| of the nonzero entries, for a histogram), and the inputs.
     """
-    import torch
 
     if not math.isfinite(log2_scale):
         raise ValueError(f"log2_scale={log2_scale!r} must be finite")
@@ -180,8 +180,7 @@ def format_underflow(r: dict) -> str:
 def gradient_figure(r: dict):
     """A matplotlib Figure (not attached to pyplot): the histogram of log2 |g| unscaled and × the loss scale,
     with fp16's ranges shaded (flushed to 0, subnormal, overflow)."""
-    import numpy as np
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib loads in about a second: only when a figure is drawn
 
     fig = Figure(figsize=(7.5, 3.4))
     fig.subplots_adjust(left=0.09, right=0.98, bottom=0.15, top=0.84)
@@ -211,7 +210,7 @@ def precision_explorer(value: float = 1e-8, log2_scale: int = 0, grads=None):
     histogram; `.controls` maps 'value' and 'log2_scale' to their controls; `.underflow()` returns the current
     `gradient_underflow` dict.
     """
-    import ipywidgets as w
+    import ipywidgets as w  # only when a widget is built: `import llmlab.widgets` loads no Jupyter
 
     format_representation(value)  # refuse a bad default before building
     if isinstance(log2_scale, bool) or not isinstance(log2_scale, int) or not 0 <= log2_scale <= 40:

@@ -6,6 +6,7 @@ next to the other warmup formula, so that the material's LR of 0 at update 0 is 
 
 from __future__ import annotations
 
+from llmlab.train.schedule import DECAYS, WARMUP_FORMULAS, LRSchedule
 from llmlab.widgets.base import choices, count, result_explorer
 
 __all__ = ["WARMUP_FORMULA_TEXT", "warmup_schedule", "format_warmup_schedule", "warmup_schedule_figure",
@@ -26,7 +27,6 @@ def warmup_schedule(warmup: int = 20, base_lr: float = 1e-3, min_lr: float = 1e-
     the schedule refuses (warmup > total_steps, an LR <= 0, min_lr > base_lr, an unknown decay) raises its
     ValueError unchanged.
     """
-    from llmlab.train.schedule import WARMUP_FORMULAS, LRSchedule
 
     schedule = LRSchedule(base_lr, total_steps, warmup, decay, min_lr, warmup_formula)
     other = next(f for f in WARMUP_FORMULAS if f != warmup_formula)
@@ -58,7 +58,7 @@ def warmup_schedule_figure(r: dict):
     """LR against update for `r`'s schedule (solid) and the other warmup formula (dashed): the whole run on the
     left, the first updates on the right, where the material's LR of 0 at update 0 shows. A matplotlib Figure,
     not attached to pyplot."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # matplotlib loads in about a second: only when a figure is drawn
 
     fig = Figure(figsize=(9.6, 3.6))
     fig.subplots_adjust(left=0.08, right=0.98, bottom=0.15, top=0.88, wspace=0.25)
@@ -87,9 +87,8 @@ def warmup_schedule_explorer(warmup: int = 20, base_lr: float = 1e-3, min_lr: fl
     `.result` (HTML) holds `format_warmup_schedule(...)`, `.plot` (an Image) the figure, `.controls` the
     controls, `.schedule()` the current result; a setting the schedule refuses is shown with its message.
     """
-    import ipywidgets as w
+    import ipywidgets as w  # only when a widget is built: `import llmlab.widgets` loads no Jupyter
 
-    from llmlab.train.schedule import DECAYS, WARMUP_FORMULAS
 
     warmup_schedule(warmup, base_lr, min_lr, total_steps, decay, warmup_formula)  # refuse bad defaults first
     style, layout = {"description_width": "110px"}, w.Layout(width="480px")
