@@ -5,7 +5,8 @@ times) and draws it, so that a chapter cell keeps the technique and one call.
   a rank's compute and communication.
 - `stacked_bars`: one bar per label, stacked from parts (memory by category, a step's time by phase).
 - Diagrams of chapter 2 and 3: `data_parallel_diagram`, `weight_split`, `flow_chart`, `sharded_state`.
-- Figures of measurements: `tile_orders` (chapter 1's GEMM tile order), `allreduce_sweep` (chapter 4).
+- Figures of measurements and models: `roofline` (chapters 1 and 5), `tile_orders` (chapter 1's GEMM tile order),
+  `ring_steps`, `traffic` and `allreduce_sweep` (chapter 4).
 
 A helper draws onto `ax` when given one (a widget's own `Figure`, a panel of a larger figure) and otherwise makes
 a pyplot figure, which a notebook shows with `plt.show()`. Only matplotlib and numpy: no other llmlab module above
@@ -24,7 +25,7 @@ from llmlab import validation
 from llmlab.timeline import Timeline
 
 __all__ = ["plot_timeline", "stacked_bars", "data_parallel_diagram", "weight_split", "flow_chart", "sharded_state",
-           "tile_orders", "allreduce_sweep"]
+           "roofline", "tile_orders", "ring_steps", "traffic", "allreduce_sweep"]
 
 _NUMBERED = 1 / 80  # a span is numbered when it is at least this share of the timeline's makespan: readable
 
@@ -269,4 +270,89 @@ def allreduce_sweep(sizes: Sequence[float], seconds: Mapping[str, Sequence[float
     ax_t.legend(fontsize=7)
     ax_b.legend(fontsize=7)
     fig.tight_layout()
+    return fig
+
+
+def roofline(devices: Mapping[str, tuple[float, float]], points: Sequence = (), ax=None, i_range=(0.1, 1e4)):
+    """Draw each device's roof (name → (peak FLOP/s, bandwidth B/s)) on log-log axes, with GEMM points
+    (`llmlab.hardware.roofline.Point`s: `label`, `intensity` and `measured_flops` are read); returns the Axes.
+
+    A point with `measured_flops` is drawn at that height; one without is a dotted line at its intensity,
+    labelled at the bottom (the roofs above it say what it could reach).
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4.5))
+    xs = np.logspace(np.log10(i_range[0]), np.log10(i_range[1]), 200)
+    for name, (peak, bw) in devices.items():
+        ax.plot(xs, np.minimum(peak, xs * bw), label=f"{name} (ridge {peak / bw:.0f} FLOP/B)")
+    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)", ylabel="FLOP/s",
+           title="roofline: attainable = min(peak, intensity × bandwidth)")
+    for p in points:
+        ax.axvline(p.intensity, color="grey", lw=0.6, ls=":")
+        if p.measured_flops is not None:
+            ax.plot(p.intensity, p.measured_flops, "o", ms=7, label=f"{p.label}: measured")
+    bottom = ax.get_ylim()[0]  # read once the axes are logarithmic and every roof and point is drawn
+    for p in points:
+        if p.measured_flops is None:
+            ax.annotate(p.label, (p.intensity, bottom), rotation=90, fontsize=7, va="bottom")
+    ax.legend(fontsize=7)
+    return ax
+
+
+def ring_steps(per_rank: Sequence[Sequence], states: np.ndarray, fig=None):
+    """The ring all-reduce step by step: a panel per step, rows are ranks, columns chunks, colour = how many ranks'
+    shares the copy sums; the outlined cell is the chunk the rank sends at the next step. `per_rank`: each rank's
+    steps (`llmlab.dist.trace.ring_steps`, their `sent_chunk` is read), `states`: `trace.ring_states(per_rank)`.
+    Returns the Figure."""
+    n = len(per_rank)
+    counts = np.vectorize(lambda m: bin(int(m)).count("1"))(states)  # (steps+1, n, n)
+    panels = len(states)
+    if fig is None:
+        fig = plt.figure(figsize=(1.9 * panels, 2.6))
+    axes = fig.subplots(1, panels)
+    for s, ax in enumerate(axes):
+        ax.imshow(counts[s], cmap="Blues", vmin=0, vmax=n + 0.5)
+        for rank in range(n):
+            for c in range(n):
+                ranks = "".join(str(r) for r in range(n) if states[s, rank, c] >> r & 1)
+                ax.text(c, rank, ranks, ha="center", va="center", fontsize=7,
+                        color="white" if counts[s, rank, c] > n / 2 else "black")
+            if s < panels - 1:
+                step = per_rank[rank][s]
+                ax.add_patch(Rectangle((step.sent_chunk - 0.5, rank - 0.5), 1, 1, fill=False, ec="C3", lw=2))
+        phase = "start" if s == 0 else ("reduce-scatter" if s <= n - 1 else "all-gather")
+        ax.set_title(f"{phase}\nafter step {s}" if s else phase, fontsize=8)
+        ax.set_xticks(range(n), [f"c{c}" for c in range(n)], fontsize=7)
+        ax.set_yticks(range(n), [f"rank {r}" for r in range(n)] if s == 0 else [], fontsize=7)
+    fig.suptitle(f"ring all-reduce on {n} ranks: digits = the ranks whose shares a copy sums; red = sent next",
+                 fontsize=9)
+    return fig
+
+
+def traffic(matrices: Mapping[str, np.ndarray], nbytes: int, fig=None):
+    """A heat map of bytes sent, src × dst, per algorithm (`llmlab.dist.trace.traffic_matrix`), and each rank's
+    bytes sent + received, in units of the buffer size S = `nbytes`. Returns the Figure."""
+    if fig is None:
+        fig = plt.figure(figsize=(3.0 * len(matrices) + 3.6, 2.9))
+    axes = fig.subplots(1, len(matrices) + 1, gridspec_kw={"width_ratios": [1] * len(matrices) + [1.4]})
+    top = max(m.max() for m in matrices.values()) / nbytes
+    for ax, (name, m) in zip(axes, matrices.items(), strict=False):
+        ax.imshow(m / nbytes, cmap="Oranges", vmin=0, vmax=top)
+        n = len(m)
+        for i in range(n):
+            for j in range(n):
+                if m[i, j]:
+                    ax.text(j, i, f"{m[i, j] / nbytes:.2g}", ha="center", va="center", fontsize=7,
+                            color="white" if m[i, j] / nbytes > top / 2 else "black")
+        ax.set(title=f"{name}: {m.sum() / nbytes:.3g}·S in all", xlabel="to rank", ylabel="from rank",
+               xticks=range(n), yticks=range(n))
+    ax = axes[-1]
+    width = 0.8 / len(matrices)
+    for k, (name, m) in enumerate(matrices.items()):
+        per_rank = (m.sum(1) + m.sum(0)) / nbytes  # sent + received, per rank
+        ax.bar(np.arange(len(m)) + (k - (len(matrices) - 1) / 2) * width, per_rank, width, label=name)
+    ax.set(title="per rank: sent + received", xlabel="rank", ylabel="× S", xticks=range(len(m)))
+    ax.legend(fontsize=7)
+    fig.suptitle(f"bytes sent by one all-reduce of S = {nbytes / 2**20:g} MiB, in units of S (CommLog)", fontsize=9)
+    fig.subplots_adjust(left=0.05, right=0.98, bottom=0.18, top=0.8, wspace=0.35)
     return fig

@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 from llmlab import bench as benches  # noqa: E402
-from llmlab import dist, widgets  # noqa: E402
+from llmlab import dist, plots, widgets  # noqa: E402
 from llmlab.dist import allreduce_bench, cost, trace  # noqa: E402
 
 SIZES = [1024, 16384]  # two small sizes: enough to fit α and β
@@ -101,7 +101,7 @@ def test_the_ring_recorded_step_by_step(cluster):
     full = (1 << n) - 1
     assert states.shape == (2 * n - 1, n, n)
     assert all(states[n - 1, r, r] == full for r in range(n)) and (states[-1] == full).all()
-    assert len(trace.plot_ring_steps(per_rank).axes) == 2 * n - 1
+    assert len(plots.ring_steps(per_rank, trace.ring_states(per_rank)).axes) == 2 * n - 1
 
 
 def test_traffic_totals_and_the_double_tree_balance(cluster):
@@ -113,7 +113,7 @@ def test_traffic_totals_and_the_double_tree_balance(cluster):
     assert (m["ring"].sum(1) == 2 * (n - 1) * nbytes // n).all()  # the ring: 2(N−1)/N·S from every rank
     assert m["tree"][0].sum() == 2 * nbytes  # the root sends S down to each of its two children
     assert m["tree"][1:].sum(1).tolist() == [nbytes, nbytes]  # leaves only send up
-    assert len(trace.plot_traffic(m, nbytes).axes) == len(trace.ALGORITHMS) + 1
+    assert len(plots.traffic(m, nbytes).axes) == len(trace.ALGORITHMS) + 1
     with pytest.raises(ValueError, match="algorithm"):
         trace.traffic("star")
 

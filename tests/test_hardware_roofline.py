@@ -6,6 +6,7 @@ matplotlib.use("Agg")
 
 import pytest  # noqa: E402
 
+from llmlab import plots  # noqa: E402
 from llmlab.hardware import roofline  # noqa: E402
 from llmlab.model import GPTConfig  # noqa: E402
 
@@ -34,7 +35,7 @@ def test_model_gemms_and_measured_point():
 
 
 def test_plot_draws_one_roof_per_device():
-    ax = roofline.plot({"a": (100e12, 1e12), "b": (10e12, 1e11)},
+    ax = plots.roofline({"a": (100e12, 1e12), "b": (10e12, 1e11)},
                        [roofline.Point("x", 64, 64, 64, measured_flops=1e9), roofline.Point("y", 1, 64, 64)])
     assert len(ax.get_lines()) >= 3
 

@@ -1,21 +1,21 @@
 """Watching collectives work: which chunk every rank holds at every ring step, and who sends how much to whom.
 
-**The ring, step by step** (`ring_steps` on every rank, then `ring_states` and `plot_ring_steps`). The real
-`ring_all_reduce` runs on a tensor of N elements, one per chunk, whose values say where they came from: rank r
-puts 2^r · (1 + c · 2^N) in chunk c. A sum over a set R of ranks is m · (1 + c · 2^N) with m = Σ_{r∈R} 2^r < 2^N,
-so every message decodes to (which chunk, which ranks' shares are summed in it): m = v mod 2^N, c = ⌊v / 2^N⌋ / m.
-Every message the ring sends goes through `llmlab.dist.collectives.exchange`; `ring_steps` wraps it for the
-duration of one call and keeps a copy of what was sent and received at each step. Nothing about the ring's
-indexing is assumed here: the figure is decoded from the messages of a real run.
+**The ring, step by step** (`ring_steps` on every rank, then `ring_states`; `llmlab.plots.ring_steps` draws
+it). The real `ring_all_reduce` runs on a tensor of N elements, one per chunk, whose values say where they came
+from: rank r puts 2^r · (1 + c · 2^N) in chunk c. A sum over a set R of ranks is m · (1 + c · 2^N) with
+m = Σ_{r∈R} 2^r < 2^N, so every message decodes to (which chunk, which ranks' shares are summed in it):
+m = v mod 2^N, c = ⌊v / 2^N⌋ / m. Every message the ring sends goes through `llmlab.dist.collectives.exchange`;
+`ring_steps` wraps it for the duration of one call and keeps a copy of what was sent and received at each step.
+Nothing about the ring's indexing is assumed here: the figure is decoded from the messages of a real run.
 
-    from llmlab import dist
+    from llmlab import dist, plots
     from llmlab.dist import trace
     per_rank = dist.spawn(trace.ring_steps, 4)     # [rank 0's steps, rank 1's, ...]
-    trace.plot_ring_steps(per_rank)
+    plots.ring_steps(per_rank, trace.ring_states(per_rank))
 
-**Traffic** (`traffic` on every rank, then `traffic_matrix` and `plot_traffic`): the bytes each rank sent to
-each other rank during one all-reduce (ring, tree or double binary tree), from a `CommLog`'s point-to-point
-events.
+**Traffic** (`traffic` on every rank, then `traffic_matrix`; `llmlab.plots.traffic` draws it): the bytes
+each rank sent to each other rank during one all-reduce (ring, tree or double binary tree), from a `CommLog`'s
+point-to-point events.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from llmlab.dist import collectives
 from llmlab.dist.collectives import ring_all_reduce, tree_all_reduce
 from llmlab.dist.commlog import CommLog
 
-__all__ = ["Step", "ring_steps", "ring_states", "plot_ring_steps", "ALGORITHMS", "traffic", "traffic_matrix",
-           "plot_traffic"]
+__all__ = ["Step", "ring_steps", "ring_states", "ALGORITHMS", "traffic", "traffic_matrix"]
 
 
 @dataclass(frozen=True)
@@ -118,36 +117,6 @@ def ring_states(per_rank: list[list[Step]]) -> np.ndarray:
     return state
 
 
-def plot_ring_steps(per_rank: list[list[Step]], fig=None):
-    """A panel per step: rows are ranks, columns chunks, colour = how many ranks' shares the copy sums;
-    the outlined cell is the chunk the rank sends at the next step. Returns the matplotlib Figure."""
-    import matplotlib.pyplot as plt  # matplotlib loads in about a second: only when a figure is drawn
-
-    n, states = len(per_rank), ring_states(per_rank)
-    counts = np.vectorize(lambda m: bin(int(m)).count("1"))(states)  # (steps+1, n, n)
-    panels = len(states)
-    if fig is None:
-        fig = plt.figure(figsize=(1.9 * panels, 2.6))
-    axes = fig.subplots(1, panels)
-    for s, ax in enumerate(axes):
-        ax.imshow(counts[s], cmap="Blues", vmin=0, vmax=n + 0.5)
-        for rank in range(n):
-            for c in range(n):
-                ranks = "".join(str(r) for r in range(n) if states[s, rank, c] >> r & 1)
-                ax.text(c, rank, ranks, ha="center", va="center", fontsize=7,
-                        color="white" if counts[s, rank, c] > n / 2 else "black")
-            if s < panels - 1:
-                step = per_rank[rank][s]
-                ax.add_patch(plt.Rectangle((step.sent_chunk - 0.5, rank - 0.5), 1, 1, fill=False, ec="C3", lw=2))
-        phase = "start" if s == 0 else ("reduce-scatter" if s <= n - 1 else "all-gather")
-        ax.set_title(f"{phase}\nafter step {s}" if s else phase, fontsize=8)
-        ax.set_xticks(range(n), [f"c{c}" for c in range(n)], fontsize=7)
-        ax.set_yticks(range(n), [f"rank {r}" for r in range(n)] if s == 0 else [], fontsize=7)
-    fig.suptitle(f"ring all-reduce on {n} ranks: digits = the ranks whose shares a copy sums; red = sent next",
-                 fontsize=9)
-    return fig
-
-
 # --- traffic -------------------------------------------------------------------------------------------------
 
 ALGORITHMS = ("ring", "tree", "double tree")
@@ -155,8 +124,6 @@ ALGORITHMS = ("ring", "tree", "double tree")
 
 def traffic(algorithm: str, nbytes: int = 1 << 20, group=None) -> dict[int, int]:
     """On every rank: {peer: bytes this rank sent it} during one `algorithm` all-reduce of `nbytes` of fp32."""
-
-
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} must be one of {ALGORITHMS}")
     x = torch.ones(nbytes // 4, device=runtime.device())  # (nbytes/4,) fp32
@@ -180,34 +147,3 @@ def traffic_matrix(per_rank: list[dict[int, int]]) -> np.ndarray:
         for dst, nbytes in sent.items():
             m[src, dst] = nbytes
     return m
-
-
-def plot_traffic(matrices: dict[str, np.ndarray], nbytes: int, fig=None):
-    """A heat map of bytes sent, src × dst, per algorithm, and each rank's bytes sent + received, in units of
-    the buffer size S. Returns the matplotlib Figure."""
-    import matplotlib.pyplot as plt  # matplotlib loads in about a second: only when a figure is drawn
-
-    if fig is None:
-        fig = plt.figure(figsize=(3.0 * len(matrices) + 3.6, 2.9))
-    axes = fig.subplots(1, len(matrices) + 1, gridspec_kw={"width_ratios": [1] * len(matrices) + [1.4]})
-    top = max(m.max() for m in matrices.values()) / nbytes
-    for ax, (name, m) in zip(axes, matrices.items(), strict=False):
-        ax.imshow(m / nbytes, cmap="Oranges", vmin=0, vmax=top)
-        n = len(m)
-        for i in range(n):
-            for j in range(n):
-                if m[i, j]:
-                    ax.text(j, i, f"{m[i, j] / nbytes:.2g}", ha="center", va="center", fontsize=7,
-                            color="white" if m[i, j] / nbytes > top / 2 else "black")
-        ax.set(title=f"{name}: {m.sum() / nbytes:.3g}·S in all", xlabel="to rank", ylabel="from rank",
-               xticks=range(n), yticks=range(n))
-    ax = axes[-1]
-    width = 0.8 / len(matrices)
-    for k, (name, m) in enumerate(matrices.items()):
-        per_rank = (m.sum(1) + m.sum(0)) / nbytes  # sent + received, per rank
-        ax.bar(np.arange(len(m)) + (k - (len(matrices) - 1) / 2) * width, per_rank, width, label=name)
-    ax.set(title="per rank: sent + received", xlabel="rank", ylabel="× S", xticks=range(len(m)))
-    ax.legend(fontsize=7)
-    fig.suptitle(f"bytes sent by one all-reduce of S = {nbytes / 2**20:g} MiB, in units of S (CommLog)", fontsize=9)
-    fig.subplots_adjust(left=0.05, right=0.98, bottom=0.18, top=0.8, wspace=0.35)
-    return fig

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import numpy as np
 import torch
 
 from llmlab import runtime, validation
 from llmlab.timing import median_seconds
 
 __all__ = ["gemm_flops", "gemm_bytes", "gemm_intensity", "attainable", "ridge_point", "bound", "Point",
-           "model_gemms", "measure_point", "plot"]
+           "model_gemms", "measure_point"]
 
 
 def _check_shape(m, n, k) -> None:
@@ -109,28 +108,3 @@ def model_gemms(config, tokens: int, bytes_per_element: int = 2) -> list[Point]:
     return [Point(f"{name} ({tokens}×{k} @ {k}×{n})", tokens, n, k, bytes_per_element) for name, n, k in shapes]
 
 
-def plot(devices: dict[str, tuple[float, float]], points: list[Point] = (), ax=None, i_range=(0.1, 1e4)):
-    """Draw each device's roof (name → (peak FLOP/s, bandwidth B/s)) on log-log axes, with GEMM points.
-
-    A point with `measured_flops` is drawn at that height; one without is a dotted line at its intensity,
-    labelled at the bottom (the roofs above it say what it could reach).
-    """
-    import matplotlib.pyplot as plt  # matplotlib loads in about a second: only when a figure is drawn
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 4.5))
-    xs = np.logspace(np.log10(i_range[0]), np.log10(i_range[1]), 200)
-    for name, (peak, bw) in devices.items():
-        ax.plot(xs, np.minimum(peak, xs * bw), label=f"{name} (ridge {ridge_point(peak, bw):.0f} FLOP/B)")
-    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)", ylabel="FLOP/s",
-           title="roofline: attainable = min(peak, intensity × bandwidth)")
-    for p in points:
-        ax.axvline(p.intensity, color="grey", lw=0.6, ls=":")
-        if p.measured_flops is not None:
-            ax.plot(p.intensity, p.measured_flops, "o", ms=7, label=f"{p.label}: measured")
-    bottom = ax.get_ylim()[0]  # read once the axes are logarithmic and every roof and point is drawn
-    for p in points:
-        if p.measured_flops is None:
-            ax.annotate(p.label, (p.intensity, bottom), rotation=90, fontsize=7, va="bottom")
-    ax.legend(fontsize=7)
-    return ax

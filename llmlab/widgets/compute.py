@@ -80,13 +80,15 @@ def roofline_figure(r: dict, device: str):
     """A matplotlib Figure (not attached to pyplot) of `device`'s roof with the GEMM `r` placed on it."""
     from matplotlib.figure import Figure  # matplotlib loads in about a second: only when a figure is drawn
 
+    from llmlab import plots  # pyplot loads with it: only when a figure is drawn
+
     fig = Figure(figsize=(6.4, 3.8))  # fixed margins: a layout engine would double the drawing time
     fig.subplots_adjust(left=0.12, right=0.97, bottom=0.14, top=0.9)
     ax = fig.add_subplot()
     point = roofline.Point(f"{r['m']}×{r['k']} @ {r['k']}×{r['n']}", r["m"], r["n"], r["k"], r["bytes_per_element"])
     lo = min(0.1, r["intensity"] / 3)
     hi = max(1e4, r["intensity"] * 3, r["ridge"] * 10)
-    roofline.plot({device: (r["peak_flops"], r["bandwidth"])}, [point], ax=ax, i_range=(lo, hi))
+    plots.roofline({device: (r["peak_flops"], r["bandwidth"])}, [point], ax=ax, i_range=(lo, hi))
     ax.plot(r["intensity"], r["attainable"], "o", ms=8, color="C3", label=f"attainable: {r['bound']}-bound")
     ax.legend(fontsize=7, loc="upper left")
     return fig
