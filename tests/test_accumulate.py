@@ -10,7 +10,6 @@ sums here have at most n·k·m = 96 terms of size O(1), giving errors ≲ 96·u�
 import pytest
 import torch
 
-from llmlab import dist
 from llmlab.accumulate import accumulate_gradients, data_parallel_accumulate, demo_batches
 
 K, M = 4, 8  # micro-batches, rows per micro-batch
@@ -98,9 +97,8 @@ def _data_parallel(no_sync):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with dist.Cluster(3) as c:
-        yield c
+def cluster(clusters):
+    return clusters(3)
 
 
 def test_no_sync_moves_one_kth_of_the_bytes_for_the_same_gradient(cluster):

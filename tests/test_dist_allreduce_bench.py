@@ -12,16 +12,15 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 from llmlab import bench as benches  # noqa: E402
-from llmlab import dist, plots, widgets  # noqa: E402
+from llmlab import plots, widgets  # noqa: E402
 from llmlab.dist import allreduce_bench, cost, trace  # noqa: E402
 
 SIZES = [1024, 16384]  # two small sizes: enough to fit α and β
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with dist.Cluster(3) as c:
-        yield c
+def cluster(clusters):
+    return clusters(3)
 
 
 @pytest.fixture(scope="module")

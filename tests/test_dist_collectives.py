@@ -27,9 +27,8 @@ _groups: dict = {}  # on the ranks: world size → its dist.Grid, built once per
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with dist.Cluster(5) as c:
-        yield c
+def cluster(clusters):
+    return clusters(5)
 
 
 def _sizes(n: int) -> list[int]:

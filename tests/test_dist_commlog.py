@@ -4,16 +4,14 @@ move them, timestamps that nest, and the double binary tree's balanced load."""
 import pytest
 import torch
 
-from llmlab import dist
 from llmlab.dist import Grid
 
 _groups: dict = {}  # on the ranks: world size n → the dist.Grid of ranks 0 … n-1 (4: the default group, None)
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with dist.Cluster(4) as c:
-        yield c
+def cluster(clusters):
+    return clusters(4)
 
 
 def _group(n):

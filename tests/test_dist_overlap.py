@@ -4,7 +4,6 @@ chapter and the bench, never asserted here."""
 import pytest
 import torch
 
-from llmlab import dist
 from llmlab.dist import overlap
 from llmlab.timeline import Timeline
 
@@ -12,9 +11,8 @@ SMALL = dict(n_layers=4, dim=128, batch=16, keep_grads=True)
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with dist.Cluster(2) as c:
-        yield c
+def cluster(clusters):
+    return clusters(2)
 
 
 @pytest.fixture(scope="module")

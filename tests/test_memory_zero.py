@@ -8,7 +8,6 @@ tests: equality with AdamW, bytes per rank vs the planner, CommLog bytes vs 2Ψ/
 import pytest
 import torch
 
-from llmlab import dist
 from llmlab.dist import Grid
 from llmlab.dist.collectives import chunk_sizes
 from llmlab.memory import planner
@@ -78,9 +77,8 @@ def _train(world, stage, bucket_mb=25.0):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with dist.Cluster(4) as c:
-        yield c
+def cluster(clusters):
+    return clusters(4)
 
 
 @pytest.fixture(scope="module")

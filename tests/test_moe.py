@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from llmlab import bench, dist
+from llmlab import bench
 from llmlab.dist import Grid
 from llmlab.moe import MoELayer, loop_reference, route
 
@@ -17,9 +17,8 @@ _groups: dict = {}  # on the ranks: world size → its dist.Grid
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with dist.Cluster(4) as c:
-        yield c
+def cluster(clusters):
+    return clusters(4)
 
 
 @pytest.fixture

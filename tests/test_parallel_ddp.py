@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from llmlab import dist
 from llmlab.dist import Grid
 from llmlab.parallel.ddp import DataParallel, buckets
 
@@ -56,9 +55,8 @@ def _train(world, wrap, bucket_mb=25.0):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with dist.Cluster(4) as c:
-        yield c
+def cluster(clusters):
+    return clusters(4)
 
 
 @pytest.fixture(scope="module")

@@ -53,9 +53,8 @@ def _run_stage(p, kind, micro_batches):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with dist.Cluster(4) as c:
-        yield c
+def cluster(clusters):
+    return clusters(4)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])

@@ -4,15 +4,13 @@ per block; each rank's shard is compared with the full layer's weights and gradi
 import pytest
 import torch
 
-from llmlab import dist
 from llmlab.dist import Grid
 from llmlab.parallel import tensor as tp
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with dist.Cluster(4) as c:
-        yield c
+def cluster(clusters):
+    return clusters(4)
 
 
 def _group(world):
