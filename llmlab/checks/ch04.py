@@ -28,6 +28,7 @@ after `TIMEOUT_S` and reported as such; the next check starts fresh ranks.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import re
@@ -156,20 +157,30 @@ def _rs_cases(rng: random.Random) -> list[dict]:
     return cases
 
 
-def _run_reduce_scatter(fn, cases) -> list:
+def _on_members(run_case, cases) -> list:
+    """`run_case(case, group, rank)` for each case on this rank, in the case's group of its first n ranks;
+    None for a case this rank is not a member of."""
     out = []
     for case in cases:
         member, group = _group(case["n"])
-        if not member:
-            out.append(None)
-            continue
-        rank = td.get_rank(group)
-        x = _rs_input(case, rank)
-        given = x.clone()
-        got = _call(fn, (given, group), f"world size {case['n']}, rank {rank}, input of shape {case['shape']}")
-        changed = not torch.equal(given, x)
-        out.append((got.detach().clone() if isinstance(got, torch.Tensor) else type(got).__name__, changed))
+        out.append(run_case(case, group, td.get_rank(group)) if member else None)
     return out
+
+
+def _answer(got):
+    """What the learner returned, as the caller receives it: a tensor (detached copy) or the type's name."""
+    return got.detach().clone() if isinstance(got, torch.Tensor) else type(got).__name__
+
+
+def _reduce_scatter_case(fn, case, group, rank):
+    x = _rs_input(case, rank)
+    given = x.clone()
+    got = _call(fn, (given, group), f"world size {case['n']}, rank {rank}, input of shape {case['shape']}")
+    return _answer(got), not torch.equal(given, x)
+
+
+def _run_reduce_scatter(fn, cases) -> list:
+    return _on_members(functools.partial(_reduce_scatter_case, fn), cases)
 
 
 def _rs_diagnosis(got, case: dict, rank: int) -> str | None:
@@ -249,18 +260,13 @@ def _ag_cases(rng: random.Random) -> list[dict]:
     return cases
 
 
+def _all_gather_case(fn, case, group, rank):
+    return _answer(_call(fn, (_ag_input(case, rank), list(case["sizes"]), group),
+                         f"world size {case['n']}, rank {rank}, chunk sizes {case['sizes']}"))
+
+
 def _run_all_gather(fn, cases) -> list:
-    out = []
-    for case in cases:
-        member, group = _group(case["n"])
-        if not member:
-            out.append(None)
-            continue
-        rank = td.get_rank(group)
-        got = _call(fn, (_ag_input(case, rank), list(case["sizes"]), group),
-                    f"world size {case['n']}, rank {rank}, chunk sizes {case['sizes']}")
-        out.append(got.detach().clone() if isinstance(got, torch.Tensor) else type(got).__name__)
-    return out
+    return _on_members(functools.partial(_all_gather_case, fn), cases)
 
 
 def _ag_diagnosis(got, case: dict, rank: int) -> str:
