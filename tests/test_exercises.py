@@ -160,6 +160,12 @@ def test_build_writes_a_starter_uncommented_after_the_raise_and_leaves_the_answe
 # --- check -------------------------------------------------------------------------------------------------
 
 
+def test_the_repository_exercises_are_built_from_its_solutions():
+    """What CI checks first: exercises/ is what `llmlab exercises build` writes from solutions/ (a change made in
+    both by hand, e.g. a renamed import, leaves the recorded source hash stale)."""
+    assert notebooks.check(Path(__file__).resolve().parent.parent) == []
+
+
 def test_check_passes_right_after_build(project):
     notebooks.build(project)
     assert notebooks.check(project) == []
