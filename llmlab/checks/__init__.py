@@ -18,7 +18,8 @@ Three rules make exercise notebooks work:
   machine-readable ``application/vnd.llmlab.check+json`` record (exercise, title, status, detail), which
   ``llmlab grade`` collects from the executed notebook. Outside IPython the line is printed.
 
-A chapter's checks live in a module of their own (``llmlab/checks/ch04.py``), written with :func:`check`::
+A chapter's checks live in a module of their own (``llmlab/checks/ch04.py``), or in a package of one module
+per exercise when they are long (``llmlab/checks/ch03/``), written with :func:`check`::
 
     @check("1.1", "softmax", hint="subtract the row maximum before exp")
     def softmax(fn):
