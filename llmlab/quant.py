@@ -315,7 +315,6 @@ def _train(quant_config: QConfig | None, steps: int, seed: int, lr: float, batch
            device: str | torch.device = "cpu") -> tuple[list[float], list[float]]:
     """`train_losses` on `device`, with the wall time of every step (synchronised on a GPU) beside each loss."""
 
-
     validation.positive_int("steps", steps)
     torch.manual_seed(seed)
     model = GPT(GPTConfig.preset("tiny", block_size=block_size))

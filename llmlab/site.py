@@ -79,7 +79,6 @@ def _write_atomically(path: Path, text: str) -> None:
 def build_page(notebook: str | os.PathLike, out: str | os.PathLike, timeout: float = 600) -> Page:
     """Execute `notebook` (at most `timeout` seconds) and write `out`/<its name>.html; return its `Page`."""
 
-
     notebook = Path(notebook)
     if notebook.suffix != ".ipynb" or not notebook.is_file():
         raise ValueError(f"notebook={str(notebook)!r} is not a .ipynb file")

@@ -23,7 +23,6 @@ from llmlab.model import GPT, GPTConfig
 TORCH_NON_REENTRANT = functools.partial(torch_checkpoint, use_reentrant=False)
 
 
-
 def gpt_run(using=None, autocast=False, dropout=0.1):
     """Loss, parameter gradients, saved bytes and the next random number of one seeded training step of a
     tiny GPT with dropout, every block under `using` (None: no checkpointing)."""

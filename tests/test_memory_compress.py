@@ -12,7 +12,6 @@ from llmlab.model import GPT, GPTConfig
 G = 128  # the default group size: 8 bytes (fp32 min and step) per 128 codes
 
 
-
 def half_step(x: torch.Tensor, bits: int, group_size: int = G) -> torch.Tensor:
     """Half the quantization step of each element of x (its group's (max - min) / (2^bits - 1) / 2)."""
     p = quantize(x, bits, group_size)

@@ -11,7 +11,6 @@ from llmlab.precision import MixedPrecision
 F32 = 4  # bytes per fp32 element
 
 
-
 # --- saved activations ----------------------------------------------------------------------------------------
 
 def test_a_linear_saves_its_input_not_its_weight():

@@ -188,7 +188,6 @@ def test_bad_targets_raise():
         model(idx, torch.zeros(2, 8))
 
 
-
 def test_tiny_gpt_learns_markov_source(one_thread):
     """The tiny preset, AdamW, 150 steps of 16 × 64 tokens (~3-4 s on one CPU core) on a bigram chain.
 

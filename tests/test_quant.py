@@ -23,7 +23,6 @@ from llmlab.quant import (
 U = 2.0**-24  # fp32 unit roundoff
 
 
-
 def lsq_vs_torch(v, grad, quantizer):
     """Run our LSQ and PyTorch's learnable fake-quantize op with the same step and g = 1/√(N·Q_P);
     return (ours, torch's) as (output, dL/dv, dL/ds) triples."""

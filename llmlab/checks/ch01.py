@@ -30,7 +30,6 @@ from llmlab.model import GPTConfig
 __all__ = ["block_flops", "gemm_roofline", "gemm_k_loop", "implied_mfu", "K_LOOP_BLOCKS", "k_loop_shapes"]
 
 
-
 def _close(got: float, want: float, rel: float = 1e-9) -> bool:
     return math.isclose(got, want, rel_tol=rel, abs_tol=0.0)
 
@@ -180,7 +179,6 @@ def _tolerances(dtype, K: int) -> tuple[float, float]:
     so on a GPU fp32 products may differ by 2·2⁻¹¹ each: atol 2⁻¹⁰·K. A real bug (a missed block, a wrong
     mask, an unadvanced pointer) is off by O(1) or NaN, far outside all of these.
     """
-
 
     atol = 2 * K * K * 2.0**-24
     if dtype == torch.float16:

@@ -38,15 +38,12 @@ PARTITIONS = ((0, 1, 2, 3),), ((0, 1), (2, 3)), ((0, 1, 2), (3,))
 TIMEOUT_S = 60.0  # one call on the ranks; a correct answer takes milliseconds
 
 
-
-
 def cluster():
     """The checks' Cluster of WORLD_SIZE ranks (shared with other chapters' checks; see checks.cluster)."""
     return checks.cluster(WORLD_SIZE)
 
 
 close_cluster = checks.close_clusters
-
 
 
 # --- on the ranks -------------------------------------------------------------------------------------------

@@ -50,12 +50,7 @@ TIMEOUT_S = 30.0  # the reference answers all cases in well under a second; more
 _groups: dict = {}  # on the ranks: world size → the dist.Grid of ranks 0 … n-1
 
 
-
 close = checks.close_clusters  # stop the checks' ranks now (they also stop at interpreter exit)
-
-
-def _ranks():
-    return checks.cluster(max(WORLD_SIZES))
 
 
 class LearnerError(RuntimeError):
@@ -74,7 +69,7 @@ def _on_ranks(body, fn, cases, what: str) -> list[list]:
     """Run `body(fn, cases)` on every rank; return the per-rank lists of per-case results."""
 
     try:
-        return _ranks().run(body, fn, cases, timeout=TIMEOUT_S)
+        return checks.cluster(max(WORLD_SIZES)).run(body, fn, cases, timeout=TIMEOUT_S)
     except RankError as e:
         if e.exc_type == "NotImplementedError":
             raise  # "not attempted yet"
@@ -126,7 +121,6 @@ def _untag(value: float, n: int) -> tuple[int, tuple[int, ...]] | None:
 def _chunk_of(numel: int, n: int):
     """(numel,) int tensor: the chunk of `torch.tensor_split(range(numel), n)` each element falls in."""
 
-
     return torch.repeat_interleave(torch.arange(n), torch.tensor(chunk_sizes(numel, n)))
 
 
@@ -158,8 +152,7 @@ def _rs_cases(rng: random.Random) -> list[dict]:
 
 
 def _on_members(run_case, cases) -> list:
-    """`run_case(case, group, rank)` for each case on this rank, in the case's group of its first n ranks;
-    None for a case this rank is not a member of."""
+    """On a rank: `run_case(case, group, rank)` per case whose group holds this rank, else None."""
     out = []
     for case in cases:
         member, group = _group(case["n"])
@@ -167,8 +160,7 @@ def _on_members(run_case, cases) -> list:
     return out
 
 
-def _answer(got):
-    """What the learner returned, as the caller receives it: a tensor (detached copy) or the type's name."""
+def _answer(got):  # what the learner returned, as the caller gets it: a tensor's copy or the type's name
     return got.detach().clone() if isinstance(got, torch.Tensor) else type(got).__name__
 
 
@@ -347,7 +339,6 @@ def micro_batch_mse(model, batch):
             "(loss_fn(model, batch) / k).backward(): .grad adds the k gradients up, so each must count 1/k")
 def accumulate(fn):
     """`fn(model, loss_fn, batches)`: leaves in `.grad` the gradient of the mean loss over all micro-batches."""
-
 
     rng = fresh_rng()
     for trial in range(3):

@@ -38,7 +38,6 @@ _NETWORK_LINKS = ("rdma100", "rdma200", "ib_ndr400")  # across nodes
 _ACCELERATORS = ("A100 SXM", "H100 SXM", "H100 PCIe", "H200 SXM", "B200", "MI250X", "MI250")
 
 
-
 def _close(got: float, want: float) -> bool:
     # the same products and quotients in another order differ by ~1e-16 relative; the smallest mistake named here,
     # a missing latency term, is still ≥ 5e-8 of the time in every case drawn; 1e-15 s lets a 0 s all-reduce be 0

@@ -44,7 +44,6 @@ __all__ = ["lr_at", "clip_grad_norm", "scaled_step"]
 _EPS = 1e-6  # torch's guard in the clipping coefficient max_norm / (norm + 1e-6)
 
 
-
 def _number(value, what: str) -> float:
     try:  # a float, an int, a 0-d tensor or a NumPy scalar
         return float(value)
@@ -279,7 +278,6 @@ def _step_cases(rng: random.Random) -> list[dict]:
 def _setup(case: dict):
     """A fresh model (with the case's stale gradients), its SGD optimizer and a loss scaler."""
 
-
     model = case["make_model"]()
     if case["stale"]:  # a backward the caller ran before, whose scaled gradients are still in .grad
         DynamicLossScaler(case["scale"]).scale_loss(micro_batch_mse(model, case["batches"][0])).backward()
@@ -290,7 +288,6 @@ def _setup(case: dict):
 def _reference(case: dict, mistake: str | None = None):
     """llmlab's update (or one with `mistake`): (how it moved each parameter, the scale after it, whether it
     stepped)."""
-
 
     model, optimizer, scaler = _setup(case)
     params = list(model.parameters())

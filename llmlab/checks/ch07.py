@@ -174,7 +174,6 @@ def _probe(train, seed: int, k: int) -> tuple[dict, dict]:
     """Run `train` on the probe model; return (fault → message, None where fixed; what else was seen: the lr, the
     optimizer class, the faults it could not check yet, a problem with the losses train returned)."""
 
-
     config = GPTConfig.preset("tiny", block_size=PROBE_T)
     model = _probe_model(config, seed)
     with _Watch(model, PROBE_STEPS) as model.watch:
@@ -272,7 +271,6 @@ def _reported(losses, runs, k: int) -> str | None:
 def _lr_fault(lr: float, optimizer, seed: int) -> str | None:
     """The learning-rate fault: `lr` past the minimum of lr_range_test's curve on a fresh tiny GPT (or None)."""
 
-
     torch.manual_seed(seed)
     model = GPT(GPTConfig.preset("tiny", block_size=TRAIN_T))
     # With AdamW, the curve's minimum lay at lr 0.032–0.062 over 30 seeds: 10× above the fixed script's 3e-3 and 16×
@@ -288,7 +286,6 @@ def _lr_fault(lr: float, optimizer, seed: int) -> str | None:
 
 def _training_run(train, seed: int) -> tuple[float, float]:
     """Train a fresh tiny GPT with `train`; return (its mean loss on held-out batches, the source's best loss)."""
-
 
     torch.manual_seed(seed)
     model = GPT(GPTConfig.preset("tiny", block_size=TRAIN_T))

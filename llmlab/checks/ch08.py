@@ -27,7 +27,6 @@ from llmlab.moe import route
 __all__ = ["lora_linear", "top2_router", "lsq", "lsq_inputs"]
 
 
-
 def _tensor(value, what: str):
     if not isinstance(value, torch.Tensor):
         raise Mismatch(f"{what}: got {type(value).__name__}, expected a torch.Tensor")
@@ -180,7 +179,6 @@ def _balance_variants(logits, expert) -> dict[str, object]:
 def top2_router(fn):
     """`fn(logits)` for (T, E) logits: (expert (T, 2) int64, gate (T, 2), balance_loss ()), as llmlab.moe.route."""
 
-
     for T, E, spread in _router_cases(fresh_rng()):
         what = f"top2_route(logits of shape ({T}, {E}))"
         logits = (torch.randn(T, E) * spread).requires_grad_(True)  # (T, E)
@@ -228,7 +226,6 @@ def top2_router(fn):
 def _diagnose_balance_gradient(grad, logits, ref, weights, grad_close, what: str) -> None:
     """Name the mistake whose gradient the answer has. With near-uniform routing a wrong balance loss can equal
     the right one in value (E·Σ Pᵢ² = 1 + O((p₀ − p₁)²) for two experts) while its gradient still differs."""
-
 
     for why in _balance_variants(logits, ref.expert):
         x = logits.clone().requires_grad_(True)  # (T, E)

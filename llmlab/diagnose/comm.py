@@ -97,7 +97,6 @@ def comm_share(step_fn: Callable[[], object], steps: int = 3, warmup: int = 1) -
     the collective was called. Async collectives (DDP's buckets) show only their launch; their wait is "other".
     """
 
-
     _check_steps(step_fn, steps, warmup)
     nccl = td.is_initialized() and td.get_backend() == "nccl"
     for _ in range(warmup):

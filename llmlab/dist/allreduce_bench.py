@@ -156,7 +156,6 @@ class AllReduceRun:
 def _time_on_rank(sizes, repeats: int, span_s: float) -> dict[str, list[list[float]]]:
     """On every rank: {impl: [seconds per call of each repeat] per size}, as this rank saw them."""
 
-
     device, n = runtime.device(), td.get_world_size()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     out = {impl: [] for impl in IMPLS}

@@ -27,7 +27,6 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
     import torch  # torch loads in seconds: `import llmlab.dist` stays light
     import torch.distributed as td  # torch loads in seconds: `import llmlab.dist` stays light
 
-
     if td.is_initialized():
         return td.get_rank(), td.get_world_size()
     missing = [k for k in _REQUIRED if k not in os.environ]

@@ -76,7 +76,6 @@ def _recording(messages: list):
 def ring_steps(group=None) -> list[Step]:
     """On every rank of `group`: run `ring_all_reduce` on N tagged elements and return this rank's 2(N−1) steps."""
 
-
     rank, n = td.get_rank(group), td.get_world_size(group)
     if n > 29:  # tags reach 2^(2n + ⌈log₂n⌉), which must fit in an int64
         raise ValueError(f"ring_steps tags chunks with int64 values: at most 29 ranks, got {n}")

@@ -34,7 +34,6 @@ __all__ = ["Measured", "device_name", "measure"]
 def device_name(device=None) -> str:
     """A human name for `device` (default: this tier's): the GPU's marketing name, or the CPU model."""
 
-
     device = runtime.device() if device is None else torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -112,7 +111,6 @@ def _copy_bandwidth(device, budget: float) -> tuple[float, int]:
     a memory's rated bandwidth (STREAM's "Copy" counts the same way).
     """
 
-
     started = time.perf_counter()
     nbytes = (1 << 30) if device.type == "cuda" else (128 << 20)
     src = torch.ones(nbytes // 4, device=device)  # written once, so every page is really allocated
@@ -124,7 +122,6 @@ def _copy_bandwidth(device, budget: float) -> tuple[float, int]:
 
 def measure(device=None, seconds: float = 1.0) -> Measured:
     """Measure matmul FLOP/s and copy bandwidth on `device` (default: this tier's) in about `seconds`."""
-
 
     if math.isinf(validation.positive("seconds", seconds)):
         raise ValueError(f"seconds={seconds!r} must be a finite positive number")

@@ -90,7 +90,6 @@ def measure_point(point: Point, device=None, repeats: int = 5) -> Point:
     """`point` with its FLOP/s measured here (fp32 when bytes_per_element is 4, else bf16 on a GPU / fp32 on
     a CPU, whose matmul has no fast bf16 path)."""
 
-
     device = runtime.device() if device is None else torch.device(device)
     dtype = torch.bfloat16 if (device.type == "cuda" and point.bytes_per_element == 2) else torch.float32
     a = torch.randn(point.m, point.k, device=device, dtype=dtype)

@@ -57,7 +57,6 @@ def allreduce_cost_figure(r: dict, measured: dict | None = None):
     `measured` points ({label: [(bytes, seconds), ...]}) overlaid. A matplotlib Figure, not attached to pyplot."""
     from matplotlib.figure import Figure  # matplotlib loads in about a second: only when a figure is drawn
 
-
     measured = measured or {}
     lo = min([1024.0, r["nbytes"] / 4] + [s for pts in measured.values() for s, _ in pts])
     hi = max([16.0 * 2**30, r["nbytes"] * 4] + [s for pts in measured.values() for s, _ in pts])

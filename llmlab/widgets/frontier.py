@@ -36,7 +36,6 @@ def moe_routing(num_experts: int = 8, k: int = 2, capacity_factor: float | None 
     bool: a choice that lost its slot), and the inputs. Lists and floats, so a test or a plot reads it directly.
     """
 
-
     validation.integer("num_experts", num_experts, low=1)
     validation.integer("k", k, 1, num_experts, hint="(experts per token, at most num_experts)")
     validation.integer("tokens", tokens, low=1)
@@ -162,7 +161,6 @@ def tiny_gpt_weight(name: str = "transformer.h.0.mlp.c_fc.weight", seed: int = 0
 def _fake_quantize(w, bits: int, signed: bool, step: float):
     """w fake-quantized by an LSQQuantizer with its step set to `step` (llmlab.quant; the zero point is 0)."""
 
-
     q = LSQQuantizer(bits, signed=signed)
     with torch.no_grad():
         q.step.fill_(step)
@@ -173,7 +171,6 @@ def _fake_quantize(w, bits: int, signed: bool, step: float):
 def _minmax(w, bits: int, signed: bool):
     """(ŵ, step) of a MinMaxQuantizer that has seen w: the grid spread over w's [min, max] (with a zero point when
     unsigned)."""
-
 
     quantizer = MinMaxQuantizer(bits, signed=signed)
     with torch.no_grad():

@@ -152,7 +152,6 @@ def cluster_calculator(preset: str = "gpt3-175b-1024xA100", model: str | None = 
     """
     import ipywidgets as w  # only when a widget is built: `import llmlab.widgets` loads no Jupyter
 
-
     unknown = sorted(set(changes) - set(CALCULATOR_FIELDS))
     if unknown:
         raise ValueError(f"{unknown} have no control; the calculator sets {', '.join(CALCULATOR_FIELDS)}")

@@ -128,7 +128,6 @@ def _tiny_gpt_gradient(seed: int):
     if seed in _GRADIENTS:
         return _GRADIENTS[seed]
 
-
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)

@@ -89,7 +89,6 @@ def warmup_schedule_explorer(warmup: int = 20, base_lr: float = 1e-3, min_lr: fl
     """
     import ipywidgets as w  # only when a widget is built: `import llmlab.widgets` loads no Jupyter
 
-
     warmup_schedule(warmup, base_lr, min_lr, total_steps, decay, warmup_formula)  # refuse bad defaults first
     style, layout = {"description_width": "110px"}, w.Layout(width="480px")
     lr_label = lambda v: f"{v:g}"
