@@ -110,6 +110,5 @@ class Table:
 
 def format_table(rows: list[dict], width: int = 110) -> Table:
     """The `Table` of `rows` (dicts; a key missing from a row is a blank cell): text at most `width` wide."""
-    validation.positive_int("width", width, hint="(characters)")
     columns = tuple(dict.fromkeys(key for row in rows for key in row))
     return Table(tuple(map(str, columns)), tuple(tuple(cell(row.get(c, "")) for c in columns) for row in rows), width)
