@@ -204,7 +204,7 @@ def bench(sizes=None, dtypes=None) -> list[dict]:
                             device=device)
             flops = 2.0 * n**3
             rows.append({"impl": f"triton gemm ({mode})", "peer": "torch.matmul", "size": n,
-                         "dtype": str(dtype).removeprefix("torch."), **times,
-                         "impl_TFLOP/s": flops / times["impl_ms"] / 1e9,
-                         "peer_TFLOP/s": flops / times["peer_ms"] / 1e9})
+                         "dtype": str(dtype).removeprefix("torch."), **times.row(),
+                         "impl_TFLOP/s": flops / times.impl.ms / 1e9,
+                         "peer_TFLOP/s": flops / times.peer.ms / 1e9})
     return rows

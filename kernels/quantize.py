@@ -196,6 +196,6 @@ def bench(sizes=None, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
         ):
             times = compare(impl, peer, device=device)
             rows.append({"impl": f"triton {op} ({mode})", "peer": f"torch {op}", "size": f"{m}x{n}",
-                         "dtype": str(dtype).removeprefix("torch."), **times,
-                         "impl_GB/s": moved / times["impl_ms"] / 1e6, "peer_GB/s": moved / times["peer_ms"] / 1e6})
+                         "dtype": str(dtype).removeprefix("torch."), **times.row(),
+                         "impl_GB/s": moved / times.impl.ms / 1e6, "peer_GB/s": moved / times.peer.ms / 1e6})
     return rows

@@ -127,7 +127,7 @@ def bench(sizes=None, dtype: torch.dtype = torch.float32) -> list[dict]:
                         device=device)
         moved = 3 * n * x.element_size()  # bytes: x and y read, out written
         rows.append({"impl": f"triton add ({'interpreted' if interpreted else 'compiled'})",
-                     "peer": "torch.add", "size": n, "dtype": str(dtype).removeprefix("torch."), **times,
-                     "impl_GB/s": moved / times["impl_ms"] / 1e6,
-                     "peer_GB/s": moved / times["peer_ms"] / 1e6})
+                     "peer": "torch.add", "size": n, "dtype": str(dtype).removeprefix("torch."), **times.row(),
+                     "impl_GB/s": moved / times.impl.ms / 1e6,
+                     "peer_GB/s": moved / times.peer.ms / 1e6})
     return rows

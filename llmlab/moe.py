@@ -289,14 +289,14 @@ def bench(sizes: dict | None = None, repeats: int = 5) -> list[dict]:
     x = torch.randn(T, C, device=device, requires_grad=True)
     dropless = MoELayer(C, H, E, k, None).to(device)
     size = f"T={T} C={C} H={H} E={E} k={k}"
-    timed = lambda impl, peer, v=x: compare(_fwd_bwd(impl, v), _fwd_bwd(peer, v), device=device, repeats=repeats)
+    timed = lambda impl, peer, v=x: compare(_fwd_bwd(impl, v), _fwd_bwd(peer, v), device=device, min_rounds=repeats)
     for _ in range(3):  # the process's first steps pay for thread-pool start and allocator growth
         _fwd_bwd(dropless, x)()
     rows = []
     for hidden, why, ideal in ((H, "1 expert's params", k), (k * H, "equal active FLOPs", 1)):
         r = timed(dropless, Expert(C, hidden).to(device))
         rows.append({"impl": "MoE grouped, dropless", "peer": f"dense MLP hidden={hidden} ({why})", "size": size,
-                     **r, "ideal": ideal, "tokens_per_s": T / r["impl_ms"] * 1e3})
+                     **r.row(), "ideal": ideal, "tokens_per_s": T / r.impl.ms * 1e3})
     rows.append({"impl": "MoE grouped, dropless", "peer": "every expert on every token (snippet)", "size": size,
                  **timed(dropless, _every_expert(dropless)), "ideal": k / E})
     for cf in (0.5, 1.0, 1.25, 2.0):

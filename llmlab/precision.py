@@ -201,7 +201,7 @@ def bench(preset: str | None = None, batch_size: int | None = None, steps: int =
     for name, label in (("bf16", "bf16 autocast"), ("fp16", "fp16 + loss scaler")):
         step = _step(name, preset, batch_size)
         step()
-        times = compare(step, fp32, device=runtime.device(), repeats=steps)
+        times = compare(step, fp32, device=runtime.device(), min_rounds=steps)
         rows.append({"impl": f"{label} step", "peer": "fp32 step", "size": f"{preset} B={batch_size}",
-                     **times, "speed-up": 1 / times["ratio"]})
+                     **times.row(), "speed-up": 1 / times.ratio})
     return rows

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _time_a_sum() -> float:
     """A small real measurement, defined outside llmlab (a function calling only this is not library code)."""
-    return timing.median_seconds(lambda: torch.ones(3).sum(), repeats=3)
+    return timing.measure(lambda: torch.ones(3).sum(), min_rounds=3).seconds
 
 
 # --- the reference table ------------------------------------------------------------------------------------
@@ -144,10 +144,10 @@ def test_audit_accepts_a_computation():
         return claims.Measurement(t, "s", "timed", claims.here(), "holds" if t < 3.5 else "wrong")
 
     assert claims.llmlab_references(computed) == []  # _time_a_sum is this file's, not llmlab's
-    assert claims.llmlab_references(lambda: timing.median_seconds(print)) == ["llmlab.timing"]
+    assert claims.llmlab_references(lambda: timing.measure(print)) == ["llmlab.timing"]
 
     def uses_library():
-        t = timing.median_seconds(lambda: math.sqrt(2), repeats=3)
+        t = timing.measure(lambda: math.sqrt(2), min_rounds=3).seconds
         return claims.Measurement(t, "s", "timed", claims.here(), "holds" if t < 3.5 else "wrong")
 
     def imports_library():
@@ -171,7 +171,7 @@ def test_audit_rejects_constants_and_non_library_code():
     assert "the measured value(s) [3.15e+23] are typed in" in problems[1]
 
     def typed_tuple():
-        timing.median_seconds(print, repeats=1)
+        timing.measure(int, max_rounds=1, min_rounds=1)
         return claims.Measurement((120.0, 31.4), "GB", "ZeRO", "computed", "holds")
 
     assert claims.audit(_claim(typed_tuple)) == [
@@ -180,9 +180,9 @@ def test_audit_rejects_constants_and_non_library_code():
         "compute them with llmlab code (reference figures belong in the library)"]
 
     def raises():
-        timing.median_seconds(print, repeats=0)
+        timing.measure(print, min_rounds=0)
 
-    assert "raised ValueError: repeats=0 must be >= 1" in claims.audit(_claim(raises))[0]
+    assert "raised ValueError: min_rounds=0 must be an integer >= 1" in claims.audit(_claim(raises))[0]
 
 
 # --- coverage ----------------------------------------------------------------------------------------------
@@ -210,7 +210,7 @@ def test_coverage_check_fails_for_a_chapter_without_its_claims(tmp_path):
     reg = claims.Registry()
     for claim_id in ("C1", "C2", "C3"):
         reg.register(claim_id, chapter=1)(lambda: claims.Measurement(
-            timing.median_seconds(print, repeats=1), "s", "timed", "computed", "holds"))
+            timing.measure(int, max_rounds=1, min_rounds=1).seconds, "s", "timed", "computed", "holds"))
     problems = claims.coverage_problems(tmp_path, registry=reg)
     assert len(problems) == 1 and problems[0].startswith("C4 (§1.1, chapter 1) is not registered")
 
@@ -221,7 +221,7 @@ def test_table_imports_the_chapter_modules_first(tmp_path, monkeypatch):
         "from llmlab import claims, timing\n\n"
         "@claims.register('C16', chapter=6)\n"
         "def warmup():\n"
-        "    t = timing.median_seconds(print, repeats=1)\n"
+        "    t = timing.measure(int, max_rounds=1, min_rounds=1).seconds\n"
         "    return claims.Measurement(t, 's', 'timed', claims.here(), 'holds')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     reg = claims.Registry()

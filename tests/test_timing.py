@@ -1,4 +1,4 @@
-"""llmlab.timing: synchronize, the median of repeated runs, an implementation compared with its peer."""
+"""llmlab.timing: warm-up, interleaved adaptive rounds, the median and its spread, the load, a direction."""
 
 import pytest
 import torch
@@ -33,30 +33,101 @@ def test_synchronize_waits_only_for_cuda(monkeypatch):
     assert waited == ["cuda:0"]
 
 
-def test_median_seconds_is_the_median_of_the_timed_runs(monkeypatch):
+def rounds(**kw):
+    """interleave's arguments for a fake clock: one call per round (no calibration), no time budget."""
+    return {"min_round_s": 0, "budget_s": 1e9} | kw
+
+
+def test_the_figure_is_the_median_of_the_rounds_and_the_spread_half_their_iqr(monkeypatch):
     clock = Clock(monkeypatch)
-    # 2 warm-up runs (100 s, untimed), then 5 timed ones
-    assert timing.median_seconds(clock.takes(100, 100, 3, 1, 9, 2, 4), repeats=5, warmup=2) == 3
-    assert timing.median_seconds(clock.takes(7), repeats=1, warmup=0) == 7
+    # 2 warm-up calls and the calibration call (untimed: 100, 100, 5), then 5 rounds
+    t = timing.measure(clock.takes(100, 100, 5, 3, 1, 9, 2, 4), warmup=2, **rounds(min_rounds=5, max_rounds=5))
+    assert t.samples == (3, 1, 9, 2, 4) and t.calls == 1
+    assert t.seconds == 3 and t.ms == 3000
+    assert t.spread == pytest.approx((4 - 2) / (2 * 3))  # quartiles of 1, 2, 3, 4, 9 are 2 and 4
+    assert not t.conclusive and str(t) == "3 s ±33%"
+    assert "not conclusive" in t.note() and "±33%" in t.note() and "load" in t.note()
 
 
-def test_median_seconds_of_real_work_is_positive():
-    assert 0 < timing.median_seconds(lambda: torch.ones(64).sum(), repeats=3) < 1
-
-
-def test_compare_alternates_and_reports_the_ratio(monkeypatch):
+def test_rounds_rotate_the_order_so_none_always_runs_first(monkeypatch):
     clock, order = Clock(monkeypatch), []
-    impl = clock.takes(50, 2, 2, 3, log=order, name="impl")  # a slow first call, warm-up
-    peer = clock.takes(50, 1, 1, 1, log=order, name="peer")
-    result = timing.compare(impl, peer, repeats=3)
-    assert result == {"impl_ms": 2000.0, "peer_ms": 1000.0, "ratio": 2.0}
-    assert order == ["impl", "peer"] * 4  # warm-up, then alternately
+    fns = {n: clock.takes(*[1] * 6, log=order, name=n) for n in "abc"}
+    timing.interleave(fns, warmup=1, **rounds(min_rounds=3, max_rounds=3))
+    assert order[:6] == ["a", "a", "b", "b", "c", "c"]  # warm-up and calibration, each in turn
+    assert order[6:] == list("abc") + list("bca") + list("cab")
+
+
+def test_a_busy_spell_that_hits_both_leaves_the_ratio_alone(monkeypatch):
+    clock = Clock(monkeypatch)
+    impl = clock.takes(9, 9, 2, 2, 6, 2, 2)  # round 3 ran while the machine was busy: everything took 3×
+    peer = clock.takes(9, 9, 1, 1, 3, 1, 1)
+    c = timing.compare(impl, peer, **rounds(min_rounds=5, max_rounds=5))
+    assert c.ratios == (2, 2, 2, 2, 2) and c.ratio == 2 and c.spread == 0
+    assert c.impl.samples == (2, 2, 6, 2, 2) and c.impl.ms == 2000 and c.peer.ms == 1000
+    assert c.direction() == "slower" and c.direction(threshold=3) == "faster"
+    assert c.says("A", "B").startswith("A takes 2.00× the time of B (±0%, 5 rounds, load ")
+    assert c.says("A", "B").endswith("slower here.")
+    assert set(c.row()) == {"impl_ms", "peer_ms", "ratio", "spread", "load"} and c.row()["ratio"] == 2
+
+
+def test_a_ratio_whose_rounds_straddle_the_threshold_is_not_conclusive():
+    wide = timing.Comparison(timing.Timing((1,)), timing.Timing((1,)), (0.7, 0.9, 1.05, 1.2, 1.4))
+    assert wide.direction() == "not conclusive"
+    assert wide.says("A", "B").endswith("not conclusive on this machine now.")
+    assert timing.Comparison(timing.Timing((1,)), timing.Timing((1,)), (0.5, 0.6, 0.62, 0.7)).direction() == "faster"
+
+
+def test_rounds_are_added_until_the_spread_is_small(monkeypatch):
+    clock = Clock(monkeypatch)
+    steady = timing.measure(clock.takes(*[1] * 40), **rounds(min_rounds=4, max_rounds=30))
+    assert len(steady.samples) == 4  # no spread at all: the minimum number of rounds
+    noisy = timing.measure(clock.takes(*[1, 3] * 20), **rounds(min_rounds=4, max_rounds=30))
+    assert len(noisy.samples) == 30  # never settles: every round allowed
+    budget = timing.measure(clock.takes(*[1, 3] * 20), **rounds(min_rounds=4, max_rounds=30, budget_s=10))
+    assert len(budget.samples) == 6  # rounds of 1, 3, 1, 3, 1, 3 s: the sixth ends past 10 s
+
+
+def test_paired_ratios_that_settle_stop_the_rounds_even_when_both_wander(monkeypatch):
+    clock = Clock(monkeypatch)
+    wander = [1, 5, 2, 8, 3, 9, 1, 4] * 4
+    c = timing.compare(clock.takes(1, *[2 * w for w in wander]), clock.takes(1, *wander), **rounds(min_rounds=5))
+    assert len(c.ratios) == 5 and c.ratio == 2 and not c.impl.conclusive
+
+
+def test_a_quick_function_is_called_several_times_per_round(monkeypatch):
+    clock = Clock(monkeypatch)
+    t = timing.measure(clock.takes(*[1e-4] * 200), warmup=0, min_round_s=1e-3, min_rounds=3, max_rounds=3)
+    assert t.calls == 10 and t.seconds == pytest.approx(1e-4)
+
+
+def test_real_work_is_timed_with_the_load():
+    t = timing.measure(lambda: torch.ones(64).sum(), min_rounds=3)
+    assert 0 < t.seconds < 1 and t.load.cores >= 1 and t.load.average >= 0
+    assert str(t.load).startswith("load ") and " on " in str(t.load)
+
+
+def test_load_keeps_the_busier_reading():
+    quiet, busy = timing.Load(0.5, 2), timing.Load(3.0, 2)
+    assert quiet.busier(busy) is busy and busy.busier(quiet) is busy and quiet.busier(None) is quiet
+    assert str(busy) == "load 3.0 on 2 cores" and str(timing.Load(1.0, 1)) == "load 1.0 on 1 core"
+
+
+def test_timings_measured_elsewhere_are_judged_alike():
+    t = timing.Timing.from_samples([0.010, 0.011, 0.030, 0.010], load=timing.Load(4.0, 2))
+    assert t.seconds == pytest.approx(0.0105) and str(t).startswith("10.5 ms ±")
+    with pytest.raises(ValueError, match="samples is empty"):
+        timing.Timing.from_samples([])
+    with pytest.raises(ValueError, match="must be durations in seconds"):
+        timing.Timing.from_samples([0.1, -1])
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: timing.median_seconds(print, repeats=0), "repeats=0 must be >= 1"),
-    (lambda: timing.median_seconds(print, warmup=-1), "warmup=-1 must be >= 0"),
-    (lambda: timing.compare(print, print, repeats=0), "repeats=0 must be >= 1"),
+    (lambda: timing.measure(print, min_rounds=0), "min_rounds=0 must be an integer >= 1"),
+    (lambda: timing.measure(print, warmup=-1), "warmup=-1 must be an integer >= 0"),
+    (lambda: timing.measure(print, min_rounds=5, max_rounds=3), "max_rounds=3 must be an integer >= 5"),
+    (lambda: timing.measure(print, budget_s="1"), "budget_s='1' must be a number >= 0"),
+    (lambda: timing.interleave({}), "fns={} must be a non-empty dict"),
+    (lambda: timing.interleave({"a": 3}), "must be a non-empty dict of {name: function}"),
 ])
 def test_bad_arguments(call, match):
     with pytest.raises(ValueError, match=match):

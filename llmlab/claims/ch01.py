@@ -51,7 +51,7 @@ def tensor_cores() -> Measurement:
     x = torch.randn(256, 1024, generator=g)
     w24 = sparsity.prune_2_4(w)
     zeros = (w24 == 0).float().mean().item()
-    slowdown = compare(lambda: x @ w24.T, lambda: x @ w.T, repeats=7)["ratio"]  # pruned time / dense time
+    slowdown = compare(lambda: x @ w24.T, lambda: x @ w.T, min_rounds=7).ratio  # pruned time / dense time
     ratios = {f"{s.bf16_sparse_tflops / s.bf16_tflops:.2g}×" for s in SPECS.values() if s.bf16_sparse_tflops}
     return Measurement(
         value={"zero fraction": zeros, "pruned/dense time": slowdown}, unit="",

@@ -95,7 +95,7 @@ def lora_resources() -> Measurement:
     x, y = SyntheticDataset(MarkovSource(vocab_size=64, seed=0), batch_size=8, block_size=64).get_batch(0)
     act_saving = 1 - _saved_activation_bytes(tiny_lora, x, y) / _saved_activation_bytes(tiny_full, x, y)
     step = lambda m: m(x, y)[1].backward()
-    time_ratio = compare(lambda: step(tiny_lora), lambda: step(tiny_full), repeats=5)["ratio"]
+    time_ratio = compare(lambda: step(tiny_lora), lambda: step(tiny_full), min_rounds=5).ratio
     zero_steps = 5
     zero_largest, zero_spread = _both_zero_never_learns(zero_steps)
 

@@ -11,14 +11,13 @@ almost every kernel (the roofline model):
     print(m)    # cpu · AMD EPYC · 2 threads: matmul 0.071 TFLOP/s fp32 (n=1024), copy 9.5 GB/s (128 MiB)
 
 Both are measured the same way on a laptop CPU and on a GPU (where the clock is read only after
-`torch.cuda.synchronize`, see `llmlab.timing.median_seconds`).
+`torch.cuda.synchronize`, see `llmlab.timing`).
 """
 
 from __future__ import annotations
 
 import math
 import platform
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 from llmlab import runtime, validation
-from llmlab.timing import median_seconds
+from llmlab.timing import measure as time_rounds
 
 __all__ = ["Measured", "device_name", "measure"]
 
@@ -63,17 +62,6 @@ class Measured:
                 f"copy {self.copy_bandwidth / 1e9:.3g} GB/s ({self.copy_bytes >> 20} MiB)")
 
 
-def _median_within(fn, device, budget: float, started: float, first: float) -> float:
-    """Median time of `fn`: `first` (a run already timed) plus more runs while the `budget` counted from
-    `started` lasts; at least 3 in all (a median of fewer is no median), at most 50."""
-
-    times = [first]
-    # one more run, if it would still end inside the budget (runs last about `first` each)
-    while len(times) < 3 or (len(times) < 50 and time.perf_counter() - started + first < budget):
-        times.append(median_seconds(fn, device=device, repeats=1, warmup=0))
-    return statistics.median(times)
-
-
 def _matmul(n: int, device):
     """A function computing one n×n @ n×n fp32 product into a preallocated output."""
 
@@ -97,11 +85,12 @@ def _matmul_flops(device, budget: float) -> tuple[float, int]:
     n, n_max = (2048, 16384) if device.type == "cuda" else (1024, 4096)
     while True:
         product = _matmul(n, device)
-        one = median_seconds(product, device=device, repeats=1, warmup=1)
+        one = time_rounds(product, device=device, min_rounds=1, max_rounds=1).seconds
         if one >= budget / 10 or n >= n_max:
             break
         n *= 2
-    return 2 * n**3 / _median_within(product, device, budget, started, one), n
+    rest = max(0.0, budget - (time.perf_counter() - started))
+    return 2 * n**3 / time_rounds(product, device=device, min_rounds=3, budget_s=rest, warmup=0).seconds, n
 
 
 def _copy_bandwidth(device, budget: float) -> tuple[float, int]:
@@ -111,13 +100,11 @@ def _copy_bandwidth(device, budget: float) -> tuple[float, int]:
     a memory's rated bandwidth (STREAM's "Copy" counts the same way).
     """
 
-    started = time.perf_counter()
     nbytes = (1 << 30) if device.type == "cuda" else (128 << 20)
     src = torch.ones(nbytes // 4, device=device)  # written once, so every page is really allocated
     dst = torch.zeros_like(src)
     copy = lambda: dst.copy_(src)
-    one = median_seconds(copy, device=device, repeats=1, warmup=1)
-    return 2 * nbytes / _median_within(copy, device, budget, started, one), nbytes
+    return 2 * nbytes / time_rounds(copy, device=device, min_rounds=3, budget_s=budget).seconds, nbytes
 
 
 def measure(device=None, seconds: float = 1.0) -> Measured:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from llmlab import runtime, validation
-from llmlab.timing import median_seconds
+from llmlab.timing import measure as time_rounds
 
 __all__ = ["gemm_flops", "gemm_bytes", "gemm_intensity", "attainable", "ridge_point", "bound", "Point",
            "model_gemms", "measure_point"]
@@ -94,7 +94,7 @@ def measure_point(point: Point, device=None, repeats: int = 5) -> Point:
     dtype = torch.bfloat16 if (device.type == "cuda" and point.bytes_per_element == 2) else torch.float32
     a = torch.randn(point.m, point.k, device=device, dtype=dtype)
     b = torch.randn(point.k, point.n, device=device, dtype=dtype)
-    seconds = median_seconds(lambda: a @ b, device=device, repeats=repeats)
+    seconds = time_rounds(lambda: a @ b, device=device, min_rounds=repeats).seconds
     return replace(point, bytes_per_element=a.element_size(),
                    measured_flops=gemm_flops(point.m, point.n, point.k) / seconds)
 

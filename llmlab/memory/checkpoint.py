@@ -216,12 +216,12 @@ def bench_every_block(preset: str | None = None, batch_size: int | None = None, 
     device, size, step = _gpt_steps(preset, batch_size)
     rows = []
     for peer, using in (("no checkpointing", None), ("torch.utils.checkpoint", _torch_checkpoint())):
-        r = compare(lambda: step(checkpoint), lambda u=using: step(u), device=device, repeats=repeats)
-        rows.append({"impl": "checkpoint every block", "peer": peer, "size": size, **r,
+        r = compare(lambda: step(checkpoint), lambda u=using: step(u), device=device, min_rounds=repeats)
+        rows.append({"impl": "checkpoint every block", "peer": peer, "size": size, **r.row(),
                      "saved_MB": step(checkpoint) / 1e6, "peer_saved_MB": step(using) / 1e6})
     # What one more forward costs, in steps: forward / (forward + backward), timed against the plain step.
     rows[0]["forward_share"] = compare(lambda: step(None, backward=False), lambda: step(None), device=device,
-                                       repeats=repeats)["ratio"]
+                                       min_rounds=repeats).ratio
     return rows
 
 

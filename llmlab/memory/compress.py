@@ -251,9 +251,9 @@ def bench(batch_size: int | None = None, repeats: int = 5) -> list[dict]:
             loss.backward()
             model.zero_grad(set_to_none=True)
 
-        r = compare(lambda: step(True), lambda: step(False), device=device, repeats=repeats)
+        r = compare(lambda: step(True), lambda: step(False), device=device, min_rounds=repeats)
         b = saved_bytes(dtype, 8, B, 64, device)
         rows.append({"impl": "8-bit saved activations", "peer": f"{str(dtype)[6:]} saved activations",
-                     "size": f"tiny B={B} T=64", **r, "saved_MB": b["compressed"] / 1e6,
+                     "size": f"tiny B={B} T=64", **r.row(), "saved_MB": b["compressed"] / 1e6,
                      "peer_saved_MB": b["uncompressed"] / 1e6, "bytes_ratio": b["compressed"] / b["uncompressed"]})
     return rows

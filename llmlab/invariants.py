@@ -1,0 +1,42 @@
+"""Rules a chapter's measured figures must obey, checked where they are drawn: a violation is shown, not drawn over.
+
+A chapter that says "the roof bounds every kernel" or "a bigger batch takes longer per step" relies on it; when a
+measurement breaks such a rule (a busy machine, a cache the roof does not model, a bug), the cell prints a warning
+naming the rule and the figures, and the plot is still drawn, so a learner sees both.
+
+    from llmlab import invariants
+    invariants.check(point <= roof, f"the GEMM's {point:.3g} FLOP/s is above the roof's {roof:.3g} FLOP/s")
+    invariants.rising(times, "step time", labels=batches)    # non-decreasing, beyond the measured spread
+
+`llmlab site` and the busy-machine check (tools/busy_check.py) look for the warning's name, `InvariantWarning`,
+on every executed page.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+__all__ = ["InvariantWarning", "check", "rising"]
+
+
+class InvariantWarning(UserWarning):
+    """A measured figure broke a rule its chapter relies on."""
+
+
+def check(holds: bool, message: str) -> bool:
+    """Warn (InvariantWarning: 'invariant violated: `message`') unless `holds`; return `holds`."""
+    if not holds:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always", InvariantWarning)  # every violation shows, not only a location's first
+            warnings.warn(f"invariant violated: {message}", InvariantWarning, stacklevel=2)
+    return bool(holds)
+
+
+def rising(timings, what: str, labels) -> bool:
+    """Check that `timings` (timing.Timing, in order of growing work) do not fall: each is at least the one before,
+    unless the two overlap within their spreads (then the rounds cannot tell them apart)."""
+    pairs, ok = list(zip(labels, timings, strict=True)), True
+    for (a, ta), (b, tb) in zip(pairs, pairs[1:], strict=False):
+        fell = tb.seconds * (1 + tb.spread) < ta.seconds * (1 - ta.spread)
+        ok &= check(not fell, f"{what} fell from {ta} at {a} to {tb} at {b}, though {b} is more work")
+    return ok
