@@ -35,6 +35,7 @@ import re
 from llmlab import hardware, runtime
 from llmlab.claims.coverage import audit, chapter_notebooks, llmlab_references, registry_problems
 from llmlab.claims.registry import (
+    INCONCLUSIVE,
     REFERENCE_PATH,
     VERDICTS,
     Claim,
@@ -47,8 +48,8 @@ from llmlab.claims.registry import (
 )
 
 __all__ = [
-    "VERDICTS", "REFERENCE_PATH", "ReferenceRow", "Measurement", "Claim", "Row", "ClaimsTable", "Registry",
-    "REGISTRY", "load_reference", "register", "get", "chapter_modules", "load_all", "table", "here",
+    "VERDICTS", "INCONCLUSIVE", "REFERENCE_PATH", "ReferenceRow", "Measurement", "Claim", "Row", "ClaimsTable",
+    "Registry", "REGISTRY", "load_reference", "register", "get", "chapter_modules", "load_all", "table", "here",
     "chapter_notebooks", "llmlab_references", "audit", "registry_problems", "chapter_problems",
     "coverage_problems",
 ]

@@ -18,10 +18,11 @@ from pathlib import Path
 
 from llmlab import validation
 
-__all__ = ["VERDICTS", "REFERENCE_PATH", "ReferenceRow", "Measurement", "Claim", "Row", "ClaimsTable", "Registry",
-           "load_reference"]
+__all__ = ["VERDICTS", "INCONCLUSIVE", "REFERENCE_PATH", "ReferenceRow", "Measurement", "Claim", "Row", "ClaimsTable",
+           "Registry", "load_reference"]
 
-VERDICTS = ("holds", "holds with conditions", "wrong", "misleading")
+INCONCLUSIVE = "inconclusive here (busy machine)"  # a timed verdict whose rounds spread too wide to decide
+VERDICTS = ("holds", "holds with conditions", "wrong", "misleading", INCONCLUSIVE)
 
 REFERENCE_PATH = Path(__file__).resolve().parent.parent / "CLAIMS.md"
 
@@ -155,7 +156,7 @@ class ClaimsTable:
     __str__ = to_markdown
 
     _COLOURS = {"holds": "#1a7f37", "holds with conditions": "#9a6700", "wrong": "#cf222e",
-                "misleading": "#cf222e", "error": "#6e7781"}
+                "misleading": "#cf222e", INCONCLUSIVE: "#6e7781", "error": "#6e7781"}
 
     def _repr_html_(self) -> str:
         if not self.rows:
