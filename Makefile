@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.llmlab-installed
 PORT   ?= 8888
 
-.PHONY: setup lab test lint exercises doctor site clean
+.PHONY: setup lab test lint exercises doctor site busy-check clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,12 @@ doctor: $(STAMP)
 # the self-study pages: every chapter executed, as HTML with its outputs, in site/ (open site/index.html)
 site: $(STAMP)
 	$(BIN)/llmlab site --out site
+
+# every chapter built twice, quiet then beside 2 busy processes, into build/busy-check/; fails when a claim's verdict
+# changes other than to "inconclusive", a page shows an InvariantWarning or a frozen progress bar, or a chapter fails
+# or runs over 60 s quiet. Long, and it loads the machine: not part of `make test`.
+busy-check: $(STAMP)
+	$(BIN)/python tools/busy_check.py
 
 clean:
 	rm -rf $(VENV) build dist site *.egg-info

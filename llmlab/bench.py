@@ -9,7 +9,9 @@ results section made from the records:
 
     llmlab bench vector_add --json runs/vector_add.json
 
-The JSON record (device, versions, tier, sizes, results) is what the README's results tables are made from.
+The JSON record (device, versions, tier, sizes, results) is what the README's results tables are made from. A
+timed row carries its ratio's `spread` (half the interquartile range of the per-round ratios over their median)
+and the machine's `load` while it was measured (`timing.Comparison.row()`); tables show the spread as `±8%`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 from llmlab import hardware, runtime
 from llmlab.tables import format_table
 
-__all__ = ["BENCHES", "names", "get", "record", "run", "markdown_table", "results_section", "sync_readme"]
+__all__ = ["BENCHES", "names", "get", "record", "run", "shown", "markdown_table", "results_section", "sync_readme"]
 
 # name -> "module:function". A new bench adds one line here; its module is imported only when it runs.
 BENCHES: dict[str, str] = {
@@ -80,8 +82,9 @@ def run(name: str, json_path: str | Path | None = None) -> int:
     rows = bench()
     rec = record(name, rows)
     print(f"bench {name} · {rec['device']} · {rec['tier']} tier · Triton {rec['triton']}")
-    print(format_table(rows))
-    print("ratio = impl / peer (for times: below 1, the implementation is faster than its peer)")
+    print(format_table(shown(rows)))
+    print("ratio = impl / peer (for times: below 1, the implementation is faster than its peer); spread: ± of the "
+          "ratio over its rounds; load: the machine's load average while measured")
     print(json.dumps(rec))
     if json_path is not None:
         path = Path(json_path)
@@ -94,12 +97,24 @@ def run(name: str, json_path: str | Path | None = None) -> int:
 # --- the README's results tables, made from committed records -------------------------------------------------
 
 RESULTS_BEGIN, RESULTS_END = "<!-- results:begin (llmlab results) -->", "<!-- results:end -->"
+_UNTIMED_NOTE = ("(recorded before bench rows carried their spread and load: run the bench again with `--json` to "
+                 "record them)")
+
+
+def shown(rows: list[dict]) -> list[dict]:
+    """Rows as a table shows them: a number `spread` (a fraction) as ±N%; every other value as it is."""
+    return [{**row, "spread": f"±{row['spread']:.0%}"} if isinstance(row.get("spread"), (int, float)) else row
+            for row in rows]
 
 
 def markdown_table(rec: dict) -> str:
-    """One bench record as a README section: where and with what it ran, then its rows."""
+    """One bench record as a README section: where and with what it ran, then its rows (spread as ±N%, load); a
+    record of timed rows from before rows carried their spread says so under its table."""
+    rows = rec["results"]
+    dated = any("impl_ms" in row for row in rows) and not any("spread" in row for row in rows)
     return (f"**{rec['bench']}** — {rec['device']} ({rec['tier']} tier, Triton {rec['triton']}, "
-            f"torch {rec['versions']['torch']}), {rec['created']}\n\n" + format_table(rec["results"]).markdown)
+            f"torch {rec['versions']['torch']}), {rec['created']}\n\n" + format_table(shown(rows)).markdown
+            + (f"\n\n{_UNTIMED_NOTE}" if dated else ""))
 
 
 def results_section(records_dir: str | Path) -> str:

@@ -8,6 +8,7 @@ The material (§6.3 and its closing advice) asks to watch GPU utilisation (nvidi
         for step in range(100):
             monitor.log(step, {"loss": loss, "lr": lr})        # the Trainer calls this every step
     monitor.history["loss"]                                    # [(step, value), ...]
+    print(monitor.timed("step_time_s"))                        # every step's time: "41.2 ms ±9%" (timing.Timing)
     profile_step(step_fn)                                      # {"compute": s, "communication": s, "other": s, ...}
     gpu_stats()                                                # None on a CPU machine
 
@@ -25,9 +26,13 @@ from collections.abc import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from llmlab import validation
+from llmlab import timing, validation
 
 __all__ = ["Monitor", "profile_step", "gpu_stats", "memory_bytes", "COMM_PREFIXES"]
+
+# units of the metrics the Trainer logs, for the panels' titles
+_UNITS = {"loss": "nats/token", "tokens_per_s": "tokens/s", "step_time_s": "s", "comm_s": "s",
+          "memory_bytes": "bytes"}
 
 # torch.profiler op names of collectives: the c10d dispatcher op, the backend's work item, the comms record
 COMM_PREFIXES = ("c10d::", "gloo:", "nccl:", "record_param_comms")
@@ -117,6 +122,9 @@ class Monitor:
     `live`: draw the metrics in the notebook, one panel each, redrawn in place at most every `every_s`
     seconds (drawing costs more than a tiny training step). `memory`: add "memory_bytes" to every step.
     `comm_log`: an open `llmlab.dist.CommLog`; each step logs the communication seconds since the last step.
+
+    The live plot reads the clock only to pace its redraws; a duration summarised for a reader (the step time of a
+    run) comes from `timed()`, which judges the steps' times as `llmlab.timing` judges any rounds.
     """
 
     def __init__(self, logdir: str | None = None, live: bool = False, every_s: float = 0.5, memory: bool = False,
@@ -125,6 +133,7 @@ class Monitor:
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.live, self.every_s, self.memory, self.comm_log = live, every_s, memory, comm_log
         self._comm_seen, self._last_draw, self._handle, self._fig = 0.0, -float("inf"), None, None
+        self._load = timing.Load.now()  # the machine's load when the run started (`timed` takes the busier)
         self.writer = None
         if logdir is not None:
             try:
@@ -152,6 +161,15 @@ class Monitor:
         if self.live and time.perf_counter() - self._last_draw >= self.every_s:
             self.draw()
 
+    def timed(self, name: str = "step_time_s") -> timing.Timing:
+        """The durations logged as `name` (seconds, one per logged step) as a `timing.Timing`: their median, their
+        spread and the machine's load (the busier of the readings when the monitor started and now), so a step
+        time prints as "41.2 ms ±9%" with its `note()` beside it."""
+        durations = [v for _, v in self.history.get(name, [])]
+        if not durations:
+            raise ValueError(f"name={name!r}: no such durations logged (logged: {', '.join(self.history) or 'none'})")
+        return timing.Timing.from_samples(durations, load=self._load.busier(timing.Load.now()))
+
     def figure(self):
         """A matplotlib Figure of the history, one panel per metric (not attached to pyplot)."""
         from matplotlib.figure import Figure  # matplotlib loads in about a second: only when a figure is drawn
@@ -162,7 +180,7 @@ class Monitor:
             ax = fig.add_subplot((len(names) + 3) // 4, min(len(names), 4), i + 1)
             points = self.history.get(name, [])
             ax.plot([s for s, _ in points], [v for _, v in points])
-            ax.set_title(name, fontsize=9)
+            ax.set_title(f"{name} ({_UNITS[name]})" if name in _UNITS else name, fontsize=9)
             ax.set_xlabel("step", fontsize=8)
         return fig
 

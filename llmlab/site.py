@@ -7,6 +7,16 @@ folder as working directory, one timeout for the whole chapter, errors recorded 
 nbconvert's HTML exporter (the JupyterLab look) writes the page. Widgets show the static result they carry (a
 text line and a PNG of the plot) since a page has no kernel behind its sliders.
 
+Each chapter's line in the index gives its time and the machine's load while it ran (`timing.Load`: the 1-minute
+load average, the busier of the readings before and after the chapter, and the cores), so a reader can tell a
+figure measured on a quiet machine from one measured beside other work; the chapter's own kernel counts in it.
+
+Progress bars are off in a page: a page cannot hold a live bar, and a tqdm bar in a notebook is a widget whose
+saved text is its first frame ("0%|          | 0/3"). The kernel runs with TQDM_DISABLE=1, which turns off the
+bars of `tqdm.std` (the Trainer's in a script, a rank's); `tqdm.notebook`'s bar (what `tqdm.auto` gives in a
+kernel) ignores that variable, so its output — a widget view whose text is a bar — is dropped from the page.
+`frozen_bars` finds any bar a page still shows stopped short of its total (tools/busy_check.py fails on one).
+
     llmlab site                                         # chapters/*.ipynb → site/NN_topic.html, site/index.html
     llmlab site chapters/04_communication.ipynb --out /tmp/pages --timeout 300
     make site
@@ -28,13 +38,17 @@ from pathlib import Path
 
 from nbconvert import HTMLExporter
 
-from llmlab import runtime
+from llmlab import runtime, timing
 from llmlab.exercises.grade import cell_errors, execute
 from llmlab.exercises.notebooks import read_notebook
 
-__all__ = ["Page", "build_page", "build", "write_index"]
+__all__ = ["KERNEL_ENV", "Page", "build_page", "build", "write_index", "frozen_bars"]
 
 _TITLE = re.compile(r"^#\s+(.+?)\s*$", re.M)
+# tqdm's bar: "desc:  40%|████      | 2/5 [00:01<00:01,  1.9it/s]" (percentage, bar, count/total)
+_BAR = re.compile(r"(\d{1,3})%\|[^|\n]*\|\s*(\d+)/(\d+)\b")
+_WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+KERNEL_ENV = {"TQDM_DISABLE": "1"}  # added to a chapter's kernel environment: tqdm.std's bars off
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,7 @@ class Page:
     html: Path
     title: str
     seconds: float
+    load: timing.Load  # the busier of the machine's loads before and after the chapter ran
     problem: str = ""  # the first cell error, or why the run stopped; empty when every cell ran cleanly
 
 
@@ -61,6 +76,19 @@ def _problem(nb, stop) -> str:
         index, name, message = first
         return f"cell {index + 1}: {name}: {message}"
     return stop.reason if stop is not None else ""
+
+
+def frozen_bars(text: str) -> list[str]:
+    """The progress bars in `text` (a page's text or a cell's output) that stopped short of their total."""
+    return [m[0] for m in _BAR.finditer(text) if int(m[2]) < int(m[3])]
+
+
+def _drop_progress_widgets(nb) -> None:
+    """Remove every output that is a widget view whose text is a progress bar (see the module's docstring)."""
+    for cell in nb.cells:
+        if "outputs" in cell:
+            cell.outputs = [o for o in cell.outputs
+                            if not (_WIDGET_VIEW in o.get("data", {}) and _BAR.search(o["data"].get("text/plain", "")))]
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -85,19 +113,22 @@ def build_page(notebook: str | os.PathLike, out: str | os.PathLike, timeout: flo
     if not timeout > 0:
         raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
     nb = read_notebook(notebook)
-    started = time.monotonic()
-    stop = execute(nb, notebook.resolve().parent, timeout)
-    seconds = time.monotonic() - started
+    load, started = timing.Load.now(), time.monotonic()
+    stop = execute(nb, notebook.resolve().parent, timeout, env=KERNEL_ENV)
+    seconds, load = time.monotonic() - started, load.busier(timing.Load.now())
+    _drop_progress_widgets(nb)
     body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
-    page = Page(notebook, Path(out) / f"{notebook.stem}.html", _title(nb, notebook.stem), seconds, _problem(nb, stop))
+    page = Page(notebook, Path(out) / f"{notebook.stem}.html", _title(nb, notebook.stem), seconds, load,
+                _problem(nb, stop))
     _write_atomically(page.html, body)
     return page
 
 
 def write_index(pages: list[Page], out: str | os.PathLike, machine: str) -> Path:
-    """Write `out`/index.html: one line per chapter (title, link, time, any problem) and the machine's name."""
+    """Write `out`/index.html: one line per chapter (title, link, time, load, any problem) and the machine's name."""
     rows = "\n".join(
         f'<li><a href="{html.escape(p.html.name)}">{html.escape(p.title)}</a> — ran in {p.seconds:.0f} s'
+        f' at {html.escape(str(p.load))}'
         + (f' <strong class="failed">failed: {html.escape(p.problem)}</strong>' if p.problem else "") + "</li>"
         for p in pages)
     text = f"""<!DOCTYPE html>
@@ -106,7 +137,10 @@ def write_index(pages: list[Page], out: str | os.PathLike, machine: str) -> Path
 </head><body>
 <h1>llmlab: the chapters, executed</h1>
 <p>Every page below was run top to bottom on: <code>{html.escape(machine)}</code>, on {time.strftime("%Y-%m-%d")}.
-Numbers measured here (times, bandwidths, FLOP/s) are this machine's; run the notebooks to see yours.</p>
+Numbers measured here (times, bandwidths, FLOP/s) are this machine's; run the notebooks to see yours.
+Each line gives the machine's load while the chapter ran (the 1-minute load average, the busier of the readings
+before and after it, the chapter's own work included) on its cores: a load above the cores means other work
+shared them, and a timed figure whose rounds then spread too wide says so beside it.</p>
 <ol>
 {rows}
 </ol></body></html>
@@ -125,7 +159,7 @@ def build(notebooks: list[str | os.PathLike], out: str | os.PathLike = "site", t
     pages = []
     for notebook in notebooks:
         page = build_page(notebook, out, timeout)
-        log(f"{page.html}  {page.seconds:5.1f} s  {'FAILED ' + page.problem if page.problem else 'ok'}")
+        log(f"{page.html}  {page.seconds:5.1f} s  {page.load}  {'FAILED ' + page.problem if page.problem else 'ok'}")
         pages.append(page)
     write_index(pages, out, runtime.describe())
     return pages

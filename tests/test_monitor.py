@@ -72,3 +72,15 @@ def test_profiler_splits_compute_and_communication():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
 def test_gpu_stats_none_on_cpu():
     assert gpu_stats() is None
+
+
+def test_logged_durations_are_judged_as_timings():
+    with Monitor() as monitor:
+        for step, seconds in enumerate([0.5, 0.010, 0.011, 0.012, 0.010, 0.011]):  # a slow first step
+            monitor.log(step, {"loss": 1.0, "step_time_s": seconds})
+    t = monitor.timed()
+    assert t.seconds == pytest.approx(0.0110, rel=1e-9) and t.samples[0] == 0.5 and t.load is not None
+    assert t.conclusive and t.note() == "" and str(t).startswith("11 ms ±")
+    with pytest.raises(ValueError, match="name='comm_s': no such durations logged \\(logged: loss, step_time_s\\)"):
+        monitor.timed("comm_s")
+    assert [ax.get_title() for ax in monitor.figure().axes] == ["loss (nats/token)", "step_time_s (s)"]

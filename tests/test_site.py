@@ -16,7 +16,11 @@ def notebook(path, *cells):
 
 def test_pages_carry_outputs_and_failures_are_named(tmp_path, capsys):
     good = notebook(tmp_path / "01_good.ipynb", "md:# Chapter A (甲)", "x = 6 * 7\nprint('answer', x)",
-                    "import pathlib\nprint(pathlib.Path.cwd().name)")
+                    "import pathlib\nprint(pathlib.Path.cwd().name)",
+                    "import os\nfrom tqdm.auto import tqdm\nfrom tqdm.std import tqdm as text_bar\n"
+                    "for _ in tqdm(range(3), desc='widget bar'): pass\n"
+                    "for _ in text_bar(range(3), desc='text bar'): pass\n"
+                    "print('TQDM_DISABLE =', os.environ.get('TQDM_DISABLE'))")
     bad = notebook(tmp_path / "02_bad.ipynb", "md:## no top heading", "print('before')", "1 / 0", "print('after')")
     out = tmp_path / "pages"
     (out).mkdir()
@@ -27,16 +31,26 @@ def test_pages_carry_outputs_and_failures_are_named(tmp_path, capsys):
     page = (out / "01_good.html").read_text()
     assert "answer 42" in page and tmp_path.name in page  # executed, in the notebook's own folder
     assert pages[0].title == "Chapter A (甲)" and pages[0].problem == "" and "an older page" not in page
+    # no bar on the page (tqdm writes "desc: 0%|"): the widget's output dropped, the text bar off by TQDM_DISABLE
+    assert "TQDM_DISABLE = 1" in page and "widget bar:" not in page and "text bar:" not in page
     assert pages[1].title == "02_bad" and pages[1].problem.startswith("cell 3: ZeroDivisionError")
     broken = (out / "02_bad.html").read_text()
     assert "before" in broken and "ZeroDivisionError" in broken and "after" in broken  # errors do not stop a run
     index = (out / "index.html").read_text()
     assert 'href="01_good.html">Chapter A (甲)</a>' in index and "failed: cell 3: ZeroDivisionError" in index
+    assert f"ran in {pages[0].seconds:.0f} s at {pages[0].load}</li>" in index and " on " in str(pages[0].load)
     assert sorted(p.name for p in out.iterdir()) == ["01_good.html", "02_bad.html", "index.html"]  # no temp files
     assert (out / "index.html").stat().st_mode & 0o044 == 0o044  # readable by a web server
 
     assert cli.main(["site", str(bad), "--out", str(out)]) == 1
     assert "02_bad.ipynb: cell 3: ZeroDivisionError" in capsys.readouterr().err
+
+
+def test_frozen_bars_are_those_stopped_short_of_their_total():
+    text = ("GEMMs:   0%|          | 0/3 [00:00<?, ?it/s]\nshapes: 100%|██████████| 4/4 [00:02<00:00,  1.9it/s]\n"
+            " 40%|████      | 2/5 [00:01<00:01]\nC7 ratio 0.96× ±4%| not a bar\n")
+    assert site.frozen_bars(text) == ["0%|          | 0/3", "40%|████      | 2/5"]
+    assert site.frozen_bars("no bar here: 12%") == []
 
 
 def test_a_chapter_that_runs_too_long_is_stopped(tmp_path):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -122,12 +123,16 @@ def grade(path: Path, timeout: float = 600) -> Report:
     return Report(path, tuple(_rows(nb, stop)), time.monotonic() - started, stop)
 
 
-def execute(nb, folder: Path, timeout: float) -> Stop | None:
+def execute(nb, folder: Path, timeout: float, env: dict[str, str] | None = None) -> Stop | None:
     """Run every cell of `nb` in place (outputs land in `nb`); say where and why it stopped early, if so.
 
-    Errors in cells do not stop the run; `timeout` bounds all of it, kernel start included. Also what
-    `llmlab site` runs each chapter with.
+    Errors in cells do not stop the run; `timeout` bounds all of it, kernel start included. `env`: variables set
+    in the kernel's environment on top of this process's (`llmlab site` turns progress bars off with it). Also
+    what `llmlab site` runs each chapter with.
     """
+    if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                               for k, v in env.items())):
+        raise ValueError(f"env={env!r} must be a dict of str → str (environment variables)")
     deadline = time.monotonic() + timeout
     kernel = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=_ThisPython())
     client = NotebookClient(
@@ -141,7 +146,7 @@ def execute(nb, folder: Path, timeout: float) -> Stop | None:
     )
     started = False
     try:
-        with client.setup_kernel(cleanup_kc=True):
+        with client.setup_kernel(cleanup_kc=True, env={**os.environ, **(env or {})}):
             started = True
             for index, cell in enumerate(nb.cells):
                 remaining = deadline - time.monotonic()

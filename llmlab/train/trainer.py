@@ -250,8 +250,9 @@ class Trainer:
         steps = remaining if steps is None else steps
         validation.integer("steps", steps, 0, remaining,
                            hint=f"(config.steps={self.config.steps}, {self.step_count} done)")
-        bar = tqdm(total=self.config.steps, initial=self.step_count, desc="train", unit="step",
-                   disable=not self.progress or self.rank != 0)
+        # no disable= when the bar is wanted: an explicit one would override TQDM_DISABLE (`llmlab site` sets it)
+        off = {} if self.progress and self.rank == 0 else {"disable": True}
+        bar = tqdm(total=self.config.steps, initial=self.step_count, desc="train", unit="step", **off)
         with bar:
             for _ in range(steps):
                 metrics = self.step()
