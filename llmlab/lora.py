@@ -22,19 +22,23 @@ exactly zero on every step, the optimizer never moves them, and the model never 
     names = apply_lora(model, targets=("attn.c_attn", "attn.c_proj"), r=8, alpha=8)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-3)
 
-Claim C19 (≈90% saved; the snippet's all-zero A and B) is measured in `llmlab.claims.ch08`.
+`step_times()` times a forward + backward of the tiny GPT with LoRA against full fine-tuning. Claim C19 (≈90%
+saved; the snippet's all-zero A and B) is measured in `llmlab.claims.ch08`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn as nn
 
-from llmlab import validation
+from llmlab import timing, validation
+from llmlab.data import MarkovSource, SyntheticDataset
+from llmlab.model import GPT, GPTConfig
 
-__all__ = ["LoRALinear", "apply_lora", "trainable_parameters", "lora_state_dict"]
+__all__ = ["LoRALinear", "apply_lora", "trainable_parameters", "lora_state_dict", "step_times"]
 
 
 class LoRALinear(nn.Module):
@@ -154,3 +158,28 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Only the LoRA matrices A and B: the fine-tune's whole checkpoint (the base model is unchanged)."""
     return {k: v for k, v in model.state_dict().items() if k.endswith((".lora_A", ".lora_B"))}
+
+
+@timing.remembered
+def step_times(targets: tuple[str, ...] = ("attn.c_attn", "attn.c_proj"), r: int = 8, batch_size: int = 8,
+               block_size: int = 64) -> timing.Comparison:
+    """A forward + backward of the tiny GPT (on the CPU) with LoRA rank `r` on `targets` (impl), against the same
+    GPT fully trainable (peer), in interleaved rounds (`llmlab.timing`): `.ratio` is LoRA's time over full
+    fine-tuning's. `step_times.recent()` is the last such measurement (`timing.remembered`): chapter 8's cell
+    and claim C19 show one measurement."""
+    validation.positive_int("batch_size", batch_size)
+    validation.positive_int("block_size", block_size)
+    torch.manual_seed(0)
+    full = GPT(GPTConfig.preset("tiny", block_size=block_size))
+    tuned = GPT(GPTConfig.preset("tiny", block_size=block_size))
+    apply_lora(tuned, targets, r=r, alpha=r)
+    x, y = SyntheticDataset(MarkovSource(vocab_size=64, seed=0), batch_size=batch_size,
+                            block_size=block_size).get_batch(0)  # (B, T) each
+
+    def step(model: nn.Module) -> None:
+        model(x, y)[1].backward()
+        model.zero_grad(set_to_none=True)
+
+    # Rounds of ≥ 50 ms: a few steps each, so a moment of other work on the machine averages out
+    return timing.compare(functools.partial(step, tuned), functools.partial(step, full), warmup=2, min_rounds=7,
+                          budget_s=2.0, min_round_s=0.05)

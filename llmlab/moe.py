@@ -276,9 +276,14 @@ def _every_expert(layer: MoELayer):
     return forward
 
 
-def bench(sizes: dict | None = None, repeats: int = 5) -> list[dict]:
+def bench(sizes: dict | None = None) -> list[dict]:
     """Grouped top-2 MoE forward+backward vs dense MLPs, vs every expert on every token, time and drop rate per
-    capacity factor, and vs the per-token loop at a small size. `sizes` overrides dim, hidden, experts, tokens."""
+    capacity factor, and vs the per-token loop at a small size. `sizes` overrides dim, hidden, experts, tokens.
+
+    Each row is one `llmlab.timing.compare` (the layer and its peer interleaved round by round): the ratio of
+    their times with its spread and the load, `direction` ("faster", "slower" or "not conclusive": the layer
+    against its peer; "not conclusive" too when the spread is too wide), `note` ('' unless it is), and where
+    there is one the `ideal` ratio that FLOPs alone would give."""
 
     device = runtime.device()
     s = dict(dim=768, hidden=3072, experts=8, tokens=8192) if runtime.tier().is_gpu else dict(
@@ -289,24 +294,29 @@ def bench(sizes: dict | None = None, repeats: int = 5) -> list[dict]:
     x = torch.randn(T, C, device=device, requires_grad=True)
     dropless = MoELayer(C, H, E, k, None).to(device)
     size = f"T={T} C={C} H={H} E={E} k={k}"
-    timed = lambda impl, peer, v=x: compare(_fwd_bwd(impl, v), _fwd_bwd(peer, v), device=device, min_rounds=repeats)
+
+    def timed(impl, peer, v=x) -> dict:
+        # rounds of ≥ 20 ms: several calls each, so a moment of other work on the machine averages out
+        r = compare(_fwd_bwd(impl, v), _fwd_bwd(peer, v), device=device, warmup=2, min_rounds=7, min_round_s=0.02)
+        return {**r.row(), "direction": r.direction() if r.conclusive else "not conclusive", "note": r.note()}
+
     for _ in range(3):  # the process's first steps pay for thread-pool start and allocator growth
         _fwd_bwd(dropless, x)()
     rows = []
     for hidden, why, ideal in ((H, "1 expert's params", k), (k * H, "equal active FLOPs", 1)):
         r = timed(dropless, Expert(C, hidden).to(device))
         rows.append({"impl": "MoE grouped, dropless", "peer": f"dense MLP hidden={hidden} ({why})", "size": size,
-                     **r.row(), "ideal": ideal, "tokens_per_s": T / r.impl.ms * 1e3})
+                     **r, "ideal": ideal, "tokens_per_s": T / r["impl_ms"] * 1e3})
     rows.append({"impl": "MoE grouped, dropless", "peer": "every expert on every token (snippet)", "size": size,
                  **timed(dropless, _every_expert(dropless)), "ideal": k / E})
     for cf in (0.5, 1.0, 1.25, 2.0):
         layer = copy.deepcopy(dropless)
         layer.capacity_factor = cf
-        r = timed(layer, dropless)
         rows.append({"impl": f"MoE grouped, capacity_factor={cf}", "peer": "MoE grouped, dropless", "size": size,
-                     **r, "drop_rate": layer.routing.drop_rate})
+                     **timed(layer, dropless), "drop_rate": layer.routing.drop_rate})
     small = MoELayer(32, 128, 4, k, None).to(device)
-    r = timed(small, lambda v: loop_reference(small, v), torch.randn(64, 32, device=device, requires_grad=True))
     rows.append({"impl": "MoE grouped, dropless", "peer": "per-token loop (loop_reference)",
-                 "size": f"T=64 C=32 H=128 E=4 k={k}", **r})
+                 "size": f"T=64 C=32 H=128 E=4 k={k}",
+                 **timed(small, lambda v: loop_reference(small, v), torch.randn(64, 32, device=device,
+                                                                                requires_grad=True))})
     return rows

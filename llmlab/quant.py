@@ -30,23 +30,21 @@ Claim C21 (train with 4/8-bit integers) is measured in `llmlab.claims.ch08`.
 from __future__ import annotations
 
 import copy
+import functools
 import math
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from llmlab import runtime, validation
+from llmlab import runtime, timing, validation
 from llmlab.data import MarkovSource, SyntheticDataset
 from llmlab.kernels import quantize
 from llmlab.model import GPT, GPTConfig
-from llmlab.timing import synchronize
 
 __all__ = ["MinMaxQuantizer", "LSQQuantizer", "QConfig", "QuantLinear", "quantize_model", "train_losses",
-           "BENCH_CONFIGS", "held_out_loss", "bench"]
+           "step_times", "BENCH_CONFIGS", "held_out_loss", "bench"]
 
 _EPS = torch.finfo(torch.float32).eps  # the smallest scale allowed, as PyTorch's observers do
 
@@ -303,19 +301,9 @@ def quantize_model(model: nn.Module, quant_config: QConfig) -> nn.Module:
     return model
 
 
-def train_losses(quant_config: QConfig | None, steps: int = 100, seed: int = 0, lr: float = 3e-3,
-                 batch_size: int = 16, block_size: int = 64) -> list[float]:
-    """Train the tiny GPT (quantized with `quant_config`, or in plain fp32 for None) on the order-1 Markov
-    source with AdamW for `steps` steps; the loss of every step. The same seed gives both runs the same
-    initial weights and batches, so the curves differ only by quantization."""
-    return _train(quant_config, steps, seed, lr, batch_size, block_size)[0]
-
-
-def _train(quant_config: QConfig | None, steps: int, seed: int, lr: float, batch_size: int, block_size: int,
-           device: str | torch.device = "cpu") -> tuple[list[float], list[float]]:
-    """`train_losses` on `device`, with the wall time of every step (synchronised on a GPU) beside each loss."""
-
-    validation.positive_int("steps", steps)
+def _tiny_run(quant_config: QConfig | None, seed: int, lr: float, batch_size: int, block_size: int, device):
+    """The tiny GPT (quantized with `quant_config`, or fp32 for None) on `device`, its AdamW, and the order-1
+    Markov source's batches, all from `seed`: the same seed gives every configuration the same start."""
     torch.manual_seed(seed)
     model = GPT(GPTConfig.preset("tiny", block_size=block_size))
     if quant_config is not None:
@@ -323,19 +311,44 @@ def _train(quant_config: QConfig | None, steps: int, seed: int, lr: float, batch
     model.to(device)
     data = SyntheticDataset(MarkovSource(vocab_size=64, seed=seed), batch_size=batch_size, block_size=block_size,
                             seed=seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses, seconds = [], []
-    for _ in range(steps):
-        start = time.perf_counter()
-        x, y = (t.to(device) for t in data.next_batch())  # (B, T) each
-        loss = model(x, y)[1]
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
-        losses.append(loss.item())
-    return losses, seconds
+    return model, torch.optim.AdamW(model.parameters(), lr=lr), data
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    loss = model(x, y)[1]
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def train_losses(quant_config: QConfig | None, steps: int = 100, seed: int = 0, lr: float = 3e-3,
+                 batch_size: int = 16, block_size: int = 64, device: str | torch.device = "cpu") -> list[float]:
+    """Train the tiny GPT (quantized with `quant_config`, or in plain fp32 for None) on the order-1 Markov
+    source with AdamW for `steps` steps on `device`; the loss of every step. The same seed gives both runs the
+    same initial weights and batches, so the curves differ only by quantization."""
+    validation.positive_int("steps", steps)
+    model, optimizer, data = _tiny_run(quant_config, seed, lr, batch_size, block_size, device)
+    return [_train_step(model, optimizer, *(t.to(device) for t in data.next_batch())).item() for _ in range(steps)]
+
+
+def step_times(configs: dict, batch_size: int = 8, block_size: int = 64, device: str | torch.device = "cpu",
+               budget_s: float = 2.0) -> timing.Rounds:
+    """One AdamW training step of the tiny GPT for each of `configs` ({name: QConfig, or None for fp32}), all
+    from the same start on the same batch, timed in interleaved rounds (`llmlab.timing.interleave`): a busy
+    spell of the machine hits every configuration, so `rounds.ratio(name, peer)` compares steps run side by
+    side. Each round runs at least 50 ms of steps per configuration."""
+    if not isinstance(configs, dict) or not configs or not all(
+            c is None or isinstance(c, QConfig) for c in configs.values()):
+        raise ValueError(f"configs={configs!r} must be a non-empty dict of {{name: QConfig or None (fp32)}}")
+    validation.positive_int("batch_size", batch_size)
+    validation.positive_int("block_size", block_size)
+    steps = {}
+    for name, config in configs.items():
+        model, optimizer, data = _tiny_run(config, 0, 3e-3, batch_size, block_size, device)
+        x, y = (t.to(device) for t in data.get_batch(0))  # (B, T) each
+        steps[name] = functools.partial(_train_step, model, optimizer, x, y)
+    return timing.interleave(steps, device=device, warmup=2, min_rounds=7, budget_s=budget_s, min_round_s=0.05)
 
 
 # the bench's quantized configurations: weights 8 or 4 bits (LSQ, learned step), activations 8 bits (MinMax)
@@ -353,21 +366,19 @@ def held_out_loss(losses: list[float]) -> float:
 
 def bench(steps: int = 100, batch_size: int = 8, block_size: int = 64, kernel_sizes=None) -> list[dict]:
     """`llmlab bench quant`: the Triton int8 kernels' rows (`llmlab.kernels.quantize.bench`), then one row per
-    `BENCH_CONFIGS` entry: the tiny GPT trained `steps` AdamW steps quantization-aware vs in fp32 from the same
-    weights and batches — median step time of each (impl_ms vs peer_ms, the first 3 steps left out as warm-up)
-    and the loss gap, each run's mean loss over its last 10 steps (fresh batches: a held-out loss)."""
+    `BENCH_CONFIGS` entry against fp32: the step time of each (`step_times`: fp32 and every configuration in the
+    same interleaved rounds; ratio, spread and load), and the loss gap after `steps` AdamW steps from the same
+    weights and batches, each run's mean loss over its last 10 steps (fresh batches: a held-out loss)."""
 
-    validation.integer("steps", steps, low=13, hint="(3 warm-up steps, 10 averaged)")
+    validation.integer("steps", steps, low=10, hint="(the last 10 averaged)")
     device = runtime.device()
-    args = (steps, 0, 3e-3, batch_size, block_size, device)
-    fp32_losses, fp32_seconds = _train(None, *args)
     rows = quantize.bench(kernel_sizes)
-    for name, make in BENCH_CONFIGS.items():
-        losses, seconds = _train(make(), *args)
-        impl_ms, peer_ms = statistics.median(seconds[3:]) * 1e3, statistics.median(fp32_seconds[3:]) * 1e3
+    configs = {"fp32": None, **{name: make() for name, make in BENCH_CONFIGS.items()}}
+    rounds = step_times(configs, batch_size, block_size, device)
+    losses = {name: held_out_loss(train_losses(config, steps, 0, 3e-3, batch_size, block_size, device))
+              for name, config in configs.items()}  # quantize_model copies the prototypes: each run starts fresh
+    for name in BENCH_CONFIGS:
         rows.append({"impl": f"{name} QAT step (fake-quantized)", "peer": "fp32 step",
-                     "size": f"tiny GPT B={batch_size} T={block_size}, {steps} steps", "impl_ms": impl_ms,
-                     "peer_ms": peer_ms, "ratio": impl_ms / peer_ms, "loss": held_out_loss(losses),
-                     "peer_loss": held_out_loss(fp32_losses),
-                     "loss_gap": held_out_loss(losses) - held_out_loss(fp32_losses)})
+                     "size": f"tiny GPT B={batch_size} T={block_size}", **rounds.ratio(name, "fp32").row(),
+                     "loss": losses[name], "peer_loss": losses["fp32"], "loss_gap": losses[name] - losses["fp32"]})
     return rows

@@ -36,6 +36,7 @@ their samples with `Timing.from_samples`, so they are summarised, and their spre
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import statistics
@@ -45,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["MAX_SPREAD", "Load", "Timing", "Comparison", "Rounds", "synchronize", "interleave", "measure",
-           "compare"]
+           "compare", "remembered"]
 
 MAX_SPREAD = 0.2  # a figure whose rounds spread more than ±20% around their median is not conclusive
 
@@ -285,3 +286,24 @@ def measure(fn, **kwargs) -> Timing:
 def compare(impl, peer, **kwargs) -> Comparison:
     """`impl` against `peer`, interleaved round by round: `.ratio` is impl time / peer time (median per round)."""
     return interleave({"impl": impl, "peer": peer}, **kwargs).ratio("impl", "peer")
+
+
+def remembered(fn):
+    """Decorate a measuring function so that one figure is one measurement: `fn(...)` measures afresh at every
+    call (a chapter's cell, re-run, re-measures) and remembers the result for its arguments; `fn.recent(...)`
+    returns the result last measured with those arguments in this process, measuring only if there is none. A
+    claim that cites a chapter's figure calls `.recent()`, so the claims table shows the number the cell printed,
+    not a second measurement taken at another moment."""
+    last = {}
+
+    @functools.wraps(fn)
+    def measuring(*args, **kwargs):
+        last[(args, tuple(sorted(kwargs.items())))] = result = fn(*args, **kwargs)
+        return result
+
+    def recent(*args, **kwargs):
+        key = (args, tuple(sorted(kwargs.items())))
+        return last[key] if key in last else measuring(*args, **kwargs)
+
+    measuring.recent = recent
+    return measuring

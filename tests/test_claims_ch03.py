@@ -1,10 +1,16 @@
-"""Chapter 3's claims (llmlab.claims.ch03): C10, the planner against the ZeRO paper's figures."""
+"""Chapter 3's claims (llmlab.claims.ch03): C10, the planner against the ZeRO paper's figures; C9's verdict from
+constructed rounds (no timing in a test)."""
 
 import math
+import statistics
+
+import pytest
 
 from llmlab import claims
 from llmlab.claims import ch03
-from llmlab.memory import planner
+from llmlab.memory import checkpoint, planner
+from llmlab.memory.checkpoint import StepTimes
+from llmlab.timing import Load, Rounds, Timing
 
 
 def test_claim_c10_reproduces_the_paper():
@@ -14,3 +20,26 @@ def test_claim_c10_reproduces_the_paper():
         planner.ZERO_PAPER_EXAMPLE["gb"])
     assert not claims.audit(claims.get("C10"))
     assert math.isclose(m.value["tiny measured/planned"], 1, rel_tol=1e-3)
+
+
+def _step_times(ratios):
+    """A StepTimes whose checkpointed steps take `ratios` × the plain step's 10 ms, round by round."""
+    load = Load(1.0, 2)
+    plain = tuple(0.01 for _ in ratios)
+    samples = {"no checkpointing": plain, "llmlab checkpoint": tuple(0.01 * r for r in ratios),
+               "torch.utils.checkpoint": tuple(0.01 * r for r in ratios), "forward only": tuple(0.0033 for _ in ratios)}
+    return StepTimes("tiny GPT", Rounds({k: Timing(v, 1, load) for k, v in samples.items()}, load),
+                     {"no checkpointing": 10.0, "llmlab checkpoint": 1.0, "torch.utils.checkpoint": 1.0})
+
+
+@pytest.mark.parametrize("ratios, verdict", [
+    ((1.30, 1.32, 1.33, 1.35, 1.36), "holds"),  # every round within +20-50%
+    ((1.05, 1.06, 1.07, 1.08, 1.09), "holds with conditions"),  # every round below +20%
+    ((1.10, 1.15, 1.25, 1.35, 1.40), claims.INCONCLUSIVE),  # the rounds straddle +20%
+    ((0.8, 1.0, 1.3, 1.8, 2.6), claims.INCONCLUSIVE),  # spread too wide to say anything
+])
+def test_claim_c9_verdict_follows_the_rounds_or_says_inconclusive(monkeypatch, ratios, verdict):
+    monkeypatch.setattr(checkpoint.step_times, "recent", lambda: _step_times(ratios))
+    m = ch03.checkpoint_overhead()
+    assert m.verdict == verdict
+    assert f"{statistics.median(ratios):.2f}×" in m.text and "±" in m.text  # the figure and its spread, always

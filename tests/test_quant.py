@@ -11,12 +11,14 @@ from torch.ao.quantization import MinMaxObserver, PerChannelMinMaxObserver
 
 from llmlab.model import GPT, GPTConfig
 from llmlab.quant import (
+    BENCH_CONFIGS,
     LSQQuantizer,
     MinMaxQuantizer,
     QConfig,
     QuantLinear,
     held_out_loss,
     quantize_model,
+    step_times,
     train_losses,
 )
 
@@ -208,12 +210,21 @@ def test_bench_quant_reports_kernels_then_qat_step_time_and_loss_gap(one_thread)
     rows = bench.get("quant")(steps=13, batch_size=4, block_size=16, kernel_sizes=[(8, 64)])
     assert [r["impl"].split()[0] for r in rows] == ["triton", "triton", "W8A8", "W4A8"]
     qat = rows[2:]
-    assert all(r["impl_ms"] > 0 and r["peer_ms"] > 0 and r["ratio"] == r["impl_ms"] / r["peer_ms"] for r in qat)
+    assert all(r["impl_ms"] > 0 and r["peer_ms"] > 0 and r["ratio"] > 0 and r["spread"] >= 0 and r["load"]
+               for r in qat)  # a ratio of interleaved rounds, with its spread and the machine's load
     assert qat[0]["peer_loss"] == qat[1]["peer_loss"]  # one fp32 run is the peer of both
     assert all(r["loss_gap"] == r["loss"] - r["peer_loss"] and 0 < r["loss"] < math.log(64) + 0.5 for r in qat)
     json.dumps(bench.record("quant", rows))  # the record is serialisable
-    with pytest.raises(ValueError, match=r"steps=5 must be an int >= 13 \(3 warm-up steps, 10 averaged\)"):
+    with pytest.raises(ValueError, match=r"steps=5 must be an int >= 10 \(the last 10 averaged\)"):
         bench.get("quant")(steps=5)
+
+
+def test_step_times_interleaves_every_configuration_from_one_start(one_thread):
+    rounds = step_times({"fp32": None, "W4A8": BENCH_CONFIGS["W4A8"]()}, batch_size=2, block_size=8, budget_s=0.0)
+    assert set(rounds.timings) == {"fp32", "W4A8"}
+    assert len(rounds["fp32"].samples) == len(rounds["W4A8"].samples) == 7  # the same rounds, min_rounds of them
+    with pytest.raises(ValueError, match="configs=.* must be a non-empty dict"):
+        step_times({"fp32": "fp32"})
 
 
 @pytest.mark.parametrize("make,match", [

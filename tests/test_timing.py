@@ -132,3 +132,18 @@ def test_timings_measured_elsewhere_are_judged_alike():
 def test_bad_arguments(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_remembered_measures_at_every_call_and_recent_reuses_the_last():
+    calls = []
+
+    @timing.remembered
+    def measured(x, scale=1):
+        calls.append(x)
+        return len(calls) * scale
+
+    assert measured.recent(5) == 1  # nothing measured yet with these arguments: measures
+    assert measured.recent(5) == 1 and calls == [5]  # reused, not measured again
+    assert measured(5) == 2 and measured.recent(5) == 2  # a call re-measures; recent follows it
+    assert measured.recent(5, scale=3) == 9 and measured.recent(6) == 4  # other arguments, other results
+    assert measured.__name__ == "measured"

@@ -34,16 +34,17 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from llmlab import runtime, validation
+from llmlab import runtime, timing, validation
 from llmlab.memory import measure
 from llmlab.model import GPT, GPTConfig
-from llmlab.timing import compare
 
-__all__ = ["checkpoint", "checkpoint_sequential", "checkpointed", "segment_sweep", "bench_every_block", "bench"]
+__all__ = ["checkpoint", "checkpoint_sequential", "checkpointed", "segment_sweep", "STEP_NAMES", "StepTimes",
+           "step_times", "bench_every_block", "bench"]
 
 
 class _Checkpoint(torch.autograd.Function):
@@ -185,8 +186,9 @@ def segment_sweep(segments: Sequence[int] = (1, 2, 4, 8, 16), n_layer: int = 16,
 
 
 def _gpt_steps(preset: str | None, batch_size: int | None):
-    """A GPT of `preset` (this tier's by default) on this tier's device and step(using, backward) -> saved
-    bytes: one forward (+ backward) with every block under `using` (None: not checkpointed)."""
+    """A GPT of `preset` (this tier's by default) on this tier's device, and step(using, backward, count): one
+    forward (+ backward) with every block under `using` (None: not checkpointed); with `count`, the bytes saved
+    for backward (the counting hook runs Python per saved tensor, so timed steps do not count)."""
 
     p, device = runtime.preset(), runtime.device()
     torch.manual_seed(0)
@@ -194,41 +196,81 @@ def _gpt_steps(preset: str | None, batch_size: int | None):
     B, T = batch_size or p.batch_size, model.config.block_size
     idx = torch.randint(0, model.config.vocab_size, (B, T), device=device)  # (B, T)
 
-    def step(using: Callable | None, backward: bool = True) -> int:
+    def step(using: Callable | None, backward: bool = True, count: bool = False) -> int | None:
         with ExitStack() as stack:
             if using is not None:
                 stack.enter_context(checkpointed(model.transformer.h, using))
-            with measure.SavedActivations() as saved:
-                loss = model(idx, idx)[1]
-            if backward:
-                loss.backward()
+            saved = stack.enter_context(measure.SavedActivations()) if count else None
+            loss = model(idx, idx)[1]
+        if backward:  # the recompute calls the blocks' own forward: it needs no wrapping
+            loss.backward()
         model.zero_grad(set_to_none=True)
-        return saved.bytes
+        return saved.bytes if count else None
 
     return device, f"{preset or p.model} GPT ({model.config.n_layer} blocks) B={B} T={T}", step
 
 
-def bench_every_block(preset: str | None = None, batch_size: int | None = None, repeats: int = 5) -> list[dict]:
-    """Every block of a GPT `preset` (this tier's model, device and batch size by default) checkpointed, against
-    no checkpointing and against torch.utils.checkpoint: a row per peer with the step times and their ratio
-    (`llmlab.timing.compare`, `repeats` times each) and the saved-activation MB of both. The first row also has
-    `forward_share`: a forward alone over a forward + backward, what one more forward costs in steps."""
+STEP_NAMES = ("no checkpointing", "llmlab checkpoint", "torch.utils.checkpoint", "forward only")
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """What `step_times` measured: the GPT it ran (`size`), one interleaved `timing.Rounds` of STEP_NAMES, and
+    the MB saved for backward by each step."""
+
+    size: str
+    rounds: timing.Rounds
+    saved_MB: dict[str, float]
+
+    @property
+    def overhead(self) -> timing.Comparison:
+        """Every block checkpointed against no checkpointing: the step-time ratio (1.33 = the material's +33%)."""
+        return self.rounds.ratio("llmlab checkpoint", "no checkpointing")
+
+    @property
+    def forward_share(self) -> timing.Comparison:
+        """A forward alone over a forward + backward: what one more forward costs, in steps."""
+        return self.rounds.ratio("forward only", "no checkpointing")
+
+
+@timing.remembered
+def step_times(preset: str | None = None, batch_size: int | None = None) -> StepTimes:
+    """A training step of a GPT `preset` (this tier's model, device and batch size by default) with no
+    checkpointing, with every block under this module's `checkpoint` and under torch.utils.checkpoint, and a
+    forward alone, all four timed in the same interleaved rounds (`llmlab.timing.interleave`): a busy spell of
+    the machine hits all of them, so the ratios between them hold where the times do not.
+
+    `step_times.recent()` is the last such measurement (`timing.remembered`): chapter 3's cell and claim C9
+    show one measurement, not two taken at different moments."""
+    if batch_size is not None:
+        validation.positive_int("batch_size", batch_size)
     device, size, step = _gpt_steps(preset, batch_size)
-    rows = []
-    for peer, using in (("no checkpointing", None), ("torch.utils.checkpoint", _torch_checkpoint())):
-        r = compare(lambda: step(checkpoint), lambda u=using: step(u), device=device, min_rounds=repeats)
-        rows.append({"impl": "checkpoint every block", "peer": peer, "size": size, **r.row(),
-                     "saved_MB": step(checkpoint) / 1e6, "peer_saved_MB": step(using) / 1e6})
-    # What one more forward costs, in steps: forward / (forward + backward), timed against the plain step.
-    rows[0]["forward_share"] = compare(lambda: step(None, backward=False), lambda: step(None), device=device,
-                                       min_rounds=repeats).ratio
+    wrappers = dict(zip(STEP_NAMES, (None, checkpoint, _torch_checkpoint()), strict=False))  # the three steps
+    fns = {**{name: functools.partial(step, using) for name, using in wrappers.items()},
+           "forward only": functools.partial(step, None, backward=False)}
+    # Rounds of ≥ 80 ms per step kind: a few steps each, so a moment of other work on the machine averages out
+    rounds = timing.interleave(fns, device=device, warmup=2, min_rounds=7, max_rounds=30, budget_s=3.0,
+                               min_round_s=0.08)
+    saved = {name: step(using, count=True) / 1e6 for name, using in wrappers.items()}
+    return StepTimes(size, rounds, saved)
+
+
+def bench_every_block(preset: str | None = None, batch_size: int | None = None) -> list[dict]:
+    """`step_times` as bench rows: every block checkpointed against no checkpointing and against
+    torch.utils.checkpoint (ratios of the same rounds, with their spread and the load), the saved-activation MB
+    of both; the first row also has `forward_share` (and its spread)."""
+    t = step_times.recent(preset, batch_size)
+    rows = [{"impl": "checkpoint every block", "peer": peer, "size": t.size,
+             **t.rounds.ratio("llmlab checkpoint", peer).row(), "saved_MB": t.saved_MB["llmlab checkpoint"],
+             "peer_saved_MB": t.saved_MB[peer]} for peer in ("no checkpointing", "torch.utils.checkpoint")]
+    rows[0].update(forward_share=t.forward_share.ratio, forward_share_spread=t.forward_share.spread)
     return rows
 
 
-def bench(preset: str | None = None, batch_size: int | None = None, repeats: int = 5) -> list[dict]:
+def bench(preset: str | None = None, batch_size: int | None = None) -> list[dict]:
     """Step time and saved bytes with every block checkpointed, vs no checkpointing and vs
     torch.utils.checkpoint (non-reentrant); then saved bytes vs number of segments (`segment_sweep`)."""
-    rows = bench_every_block(preset, batch_size, repeats)
+    rows = bench_every_block(preset, batch_size)
     for r in segment_sweep():
         rows.append({"impl": f"checkpoint_sequential k={r['segments']}", "peer": "Chen et al. count",
                      "size": "16 tiny blocks B=4 T=64", "saved_MB": r["saved_bytes"] / 1e6,

@@ -29,6 +29,7 @@ kept as they are.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from dataclasses import dataclass
@@ -238,7 +239,8 @@ def loss_curves(steps: int = 50, bits: int = 8, batch_size: int = 8, seq_len: in
 
 def bench(batch_size: int | None = None, repeats: int = 5) -> list[dict]:
     """Saved bytes and forward + backward time of the tiny GPT with 8-bit compressed activations vs
-    uncompressed, in fp32 and bf16 (this tier's device and batch size)."""
+    uncompressed, in fp32 and bf16 (this tier's device and batch size): the time ratio of interleaved rounds
+    (`llmlab.timing.compare`) with its spread, the load and its `direction` ("slower": compression costs time)."""
 
     device, B = runtime.device(), batch_size or runtime.preset().batch_size
     rows = []
@@ -246,7 +248,7 @@ def bench(batch_size: int | None = None, repeats: int = 5) -> list[dict]:
         model, x, y = _tiny_batch(dtype, B, 64, device)
 
         def step(compress: bool, model=model, x=x, y=y) -> None:
-            with compressed_activations() if compress else measure.SavedActivations():
+            with compressed_activations() if compress else contextlib.nullcontext():  # the peer: plain autograd
                 loss = model(x, y)[1]
             loss.backward()
             model.zero_grad(set_to_none=True)
@@ -254,6 +256,8 @@ def bench(batch_size: int | None = None, repeats: int = 5) -> list[dict]:
         r = compare(lambda: step(True), lambda: step(False), device=device, min_rounds=repeats)
         b = saved_bytes(dtype, 8, B, 64, device)
         rows.append({"impl": "8-bit saved activations", "peer": f"{str(dtype)[6:]} saved activations",
-                     "size": f"tiny B={B} T=64", **r.row(), "saved_MB": b["compressed"] / 1e6,
-                     "peer_saved_MB": b["uncompressed"] / 1e6, "bytes_ratio": b["compressed"] / b["uncompressed"]})
+                     "size": f"tiny B={B} T=64", **r.row(), "note": r.note(),
+                     "direction": r.direction() if r.conclusive else "not conclusive",
+                     "saved_MB": b["compressed"] / 1e6, "peer_saved_MB": b["uncompressed"] / 1e6,
+                     "bytes_ratio": b["compressed"] / b["uncompressed"]})
     return rows
