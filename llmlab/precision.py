@@ -19,6 +19,7 @@ weights (torch.autocast), the usual recipe on A100/H100 and on CPUs.
     mp.backward(loss)          # scaled backward through the fp16 model
     stepped = mp.step()        # unscale into the fp32 masters, skip on overflow, copy back to fp16
 
+`step_times` times a training step in the three precisions in the same interleaved rounds (`llmlab.timing`).
 Claims C7 (≈3× speed) and C8 (loss scaling) are measured in `llmlab.claims.ch02`.
 """
 
@@ -26,15 +27,16 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 
-from llmlab import runtime
+from llmlab import runtime, timing, validation
 from llmlab.data import MarkovSource, SyntheticDataset
 from llmlab.model import GPT, GPTConfig
-from llmlab.timing import compare
 
-__all__ = ["DynamicLossScaler", "MixedPrecision", "autocast", "representation", "PRECISIONS", "bench"]
+__all__ = ["DynamicLossScaler", "MixedPrecision", "autocast", "representation", "PRECISIONS", "LABELS", "StepTimes",
+           "step_times", "bench"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -160,6 +162,9 @@ def representation(value: float) -> dict[str, dict]:
 
 # --- measured: step time per precision (`llmlab bench precision`; claim C7 uses it, in llmlab.claims.ch02) ---
 
+LABELS = {"fp32": "fp32", "bf16": "bf16 autocast", "fp16": "fp16 + loss scaler"}  # what each step runs
+
+
 def _step(precision: str, preset: str, batch_size: int):
     """One training step of a fresh GPT `preset` in `precision` on this tier's device, as a function."""
 
@@ -186,22 +191,47 @@ def _step(precision: str, preset: str, batch_size: int):
     return step
 
 
-def bench(preset: str | None = None, batch_size: int | None = None, steps: int = 5) -> list[dict]:
-    """Training-step time of the GPT in bf16 (autocast) and fp16 (+ loss scaler, fp32 masters) vs fp32.
+@dataclass(frozen=True)
+class StepTimes:
+    """What `step_times` measured: the GPT and batch it ran (`size`) and one interleaved `timing.Rounds` of the
+    PRECISIONS' training steps."""
 
-    The three run in turn, step by step (`llmlab.timing.compare`), so a busy spell of the machine slows all
-    of them alike.
-    """
+    size: str
+    rounds: timing.Rounds
 
+    def versus_fp32(self, precision: str) -> timing.Comparison:
+        """`precision`'s step against the fp32 step of the same rounds: `.ratio` is its time / fp32's (the speed-up
+        is 1 / ratio), `.direction()` says 'faster', 'slower' or 'not conclusive'."""
+        validation.one_of("precision", precision, PRECISIONS[1:])
+        return self.rounds.ratio(precision, "fp32")
+
+
+@timing.remembered
+def step_times(preset: str | None = None, batch_size: int | None = None) -> StepTimes:
+    """A training step of the GPT `preset` (this tier's model and batch size by default) in fp32, in bf16
+    autocast and in fp16 with the loss scaler and fp32 masters, all three timed in the same interleaved rounds
+    (`llmlab.timing.interleave`): one fp32 figure serves both comparisons, and a busy spell of the machine hits the
+    three steps alike, so their ratios hold where the times do not.
+
+    `step_times.recent()` is the last such measurement (`timing.remembered`): chapter 2's cell and claim C7 show
+    one measurement, not two taken at different moments."""
     p = runtime.preset()
-    preset, batch_size = preset or p.model, batch_size or p.batch_size
-    fp32 = _step("fp32", preset, batch_size)
-    fp32()  # warm-up: allocator growth, first-call dispatch
+    preset = preset or p.model
+    batch_size = validation.positive_int("batch_size", batch_size) if batch_size is not None else p.batch_size
+    steps = {name: _step(name, preset, batch_size) for name in PRECISIONS}  # fp32 first: the peer of both
+    # rounds of >= 50 ms per step kind, so that a moment of other work on the machine averages out
+    rounds = timing.interleave(steps, device=runtime.device(), warmup=1, min_rounds=5, max_rounds=20, budget_s=2.0,
+                               min_round_s=0.05)
+    return StepTimes(f"{preset} GPT, B={batch_size}", rounds)
+
+
+def bench(preset: str | None = None, batch_size: int | None = None) -> list[dict]:
+    """Training-step time of the GPT in bf16 (autocast) and fp16 (+ loss scaler, fp32 masters) against fp32, from
+    `step_times`: the three interleaved round by round, one fp32 figure for both rows."""
+    t = step_times.recent(preset, batch_size)
     rows = []
-    for name, label in (("bf16", "bf16 autocast"), ("fp16", "fp16 + loss scaler")):
-        step = _step(name, preset, batch_size)
-        step()
-        times = compare(step, fp32, device=runtime.device(), min_rounds=steps)
-        rows.append({"impl": f"{label} step", "peer": "fp32 step", "size": f"{preset} B={batch_size}",
-                     **times.row(), "speed-up": 1 / times.ratio})
+    for name in PRECISIONS[1:]:
+        c = t.versus_fp32(name)
+        rows.append({"impl": f"{LABELS[name]} step", "peer": "fp32 step", "size": t.size, **c.row(),
+                     "speed-up": 1 / c.ratio})
     return rows

@@ -6,6 +6,7 @@ import torch
 from llmlab import precision
 from llmlab.data import MarkovSource, SyntheticDataset
 from llmlab.model import GPT, GPTConfig
+from llmlab.timing import Load, Rounds, Timing
 
 
 @pytest.mark.parametrize("pattern", ["cccccccc", "cciccciccc", "iiiccccccccc", "cicicicccccc"])
@@ -107,5 +108,34 @@ def test_representation():
     (lambda: precision.representation(float("inf")), "value=inf"),
 ])
 def test_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def step_times_of(bf16, fp16):
+    """A StepTimes whose bf16 and fp16 steps take `bf16` and `fp16` × the fp32 step's 20 ms, round by round (also
+    used by tests/test_claims_ch02.py)."""
+    load = Load(1.0, 2)
+    samples = {"fp32": [0.02] * len(bf16), "bf16": [0.02 * r for r in bf16], "fp16": [0.02 * r for r in fp16]}
+    return precision.StepTimes("tiny GPT, B=16", Rounds({k: Timing(tuple(v), 1, load) for k, v in samples.items()},
+                                                        load))
+
+
+def test_bench_rows_share_one_fp32_figure(monkeypatch):
+    t = step_times_of((4.0, 4.2, 4.4), (0.9, 1.1, 1.2))
+    monkeypatch.setattr(precision.step_times, "recent", lambda preset=None, batch_size=None: t)
+    rows = precision.bench()
+    assert [r["impl"] for r in rows] == ["bf16 autocast step", "fp16 + loss scaler step"]
+    assert all(r["peer_ms"] == pytest.approx(20.0) for r in rows)  # the same fp32 rounds for both
+    assert rows[0]["ratio"] == pytest.approx(4.2) and rows[0]["speed-up"] == pytest.approx(1 / 4.2)
+    assert rows[1]["ratio"] == pytest.approx(1.1) and rows[1]["size"] == "tiny GPT, B=16"
+    assert t.versus_fp32("bf16").direction() == "slower" and t.versus_fp32("fp16").direction() == "not conclusive"
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: step_times_of((1.0,), (1.0,)).versus_fp32("fp32"), "precision='fp32'"),
+    (lambda: precision.step_times(batch_size=0), "batch_size=0"),
+])
+def test_step_times_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()

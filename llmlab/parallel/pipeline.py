@@ -14,7 +14,9 @@ Both leave each stage idle for the same "bubble": (p-1) of the (m+p-1) slots of 
 fraction is (p-1)/(m+p-1) when every stage takes the same time per micro-batch. `simulate` computes the
 timeline of a schedule from per-micro-batch times; `pipeline_step` runs it for real on ranks and records
 its own timeline (an `llmlab.timeline.Timeline` of forward "F" and backward "B" spans, one lane per stage);
-`llmlab.plots.plot_timeline` draws either one.
+`llmlab.plots.plot_timeline` draws either one. `measured_bubble` summarises the bubble of several real steps (median
+and spread, as `llmlab.timing` judges any figure). `SimulatedCompute` stands in for a stage's device time where the
+ranks share a few CPU cores (see its docstring for why a measured bubble needs it there).
 
     from llmlab import dist
     from llmlab.parallel import pipeline
@@ -34,12 +36,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as td
 
-from llmlab import validation
+from llmlab import timing, validation
 from llmlab.memory.measure import SavedActivations
 from llmlab.timeline import Span, Timeline
 
 __all__ = ["SCHEDULES", "Action", "schedule", "simulate", "bubble_fraction", "peak_in_flight", "partition",
-           "pipeline_step"]
+           "SimulatedCompute", "measured_bubble", "pipeline_step"]
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -135,21 +137,76 @@ def partition(layers: torch.nn.Sequential, stages: int) -> list[torch.nn.Sequent
     return [layers[bounds[i]:bounds[i + 1]] for i in range(stages)]
 
 
-def _send(t: torch.Tensor, dst: int, group) -> list:
-    """Send a tensor's shape, then the tensor (isend: never blocks, so no schedule can deadlock on it)."""
-    header = torch.tensor([t.dim(), *t.shape], dtype=torch.long)
-    size = torch.tensor([header.numel()], dtype=torch.long)
-    return [td.isend(x, dst, group=group) for x in (size, header, t.contiguous())]
+class _Wait(torch.autograd.Function):
+    """Identity on values; sleeps `forward_s` in the forward pass and `backward_s` in the backward pass."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s: float, backward_s: float):
+        time.sleep(forward_s)
+        ctx.backward_s = backward_s
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.backward_s)
+        return grad, None, None
 
 
-def _recv(src: int, dtype, group) -> torch.Tensor:
+class SimulatedCompute(torch.nn.Module):
+    """A stand-in for a stage's device time: identity on values, it takes `forward_s` seconds in each forward
+    and `backward_s` in each backward by sleeping, as a rank's process waits while its own GPU computes.
+
+    Stages on ranks that share a few CPU cores contend for them when they compute, so a stage's time would include
+    time taken by the other stages (and by any other program): the measured bubble would mix the schedule's idle
+    time with the machine's. A sleeping stage takes no core, so each stage has, in effect, its own processor, as
+    (p-1)/(m+p-1) assumes; the sends, receives and the schedule stay real. Put it after a stage's layers:
+    `torch.nn.Sequential(stage, SimulatedCompute(0.005, 0.010))`."""
+
+    def __init__(self, forward_s: float, backward_s: float):
+        super().__init__()
+        self.forward_s = validation.number("forward_s", forward_s, low=0)
+        self.backward_s = validation.number("backward_s", backward_s, low=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Wait.apply(x, self.forward_s, self.backward_s)  # (same shape as x)
+
+    def extra_repr(self) -> str:
+        return f"forward_s={self.forward_s}, backward_s={self.backward_s}"
+
+
+def measured_bubble(timelines) -> timing.Comparison:
+    """The bubble of a pipeline measured over several steps (rounds), one merged `Timeline` per step: the stages'
+    mean idle seconds (`impl`) against the step's makespan (`peer`), and their ratio per step — the idle share
+    `Timeline.idle` — whose median is `.ratio`, with its spread, `.note()` and the machine's load."""
+    timelines = list(timelines)
+    if not timelines or not all(isinstance(t, Timeline) for t in timelines):
+        raise ValueError(f"timelines must be a non-empty list of Timeline, got {timelines!r}")
+    load = timing.Load.now()
+    idle = timing.Timing.from_samples([t.idle * t.makespan for t in timelines], load=load)
+    makespan = timing.Timing.from_samples([t.makespan for t in timelines], load=load)
+    return timing.Comparison(idle, makespan, tuple(t.idle for t in timelines))
+
+
+def _send(t: torch.Tensor, dst: int, group, header: bool) -> list:
+    """Send a tensor, after its shape when `header` (isend: never blocks, so no schedule can deadlock on it)."""
+    works = []
+    if header:
+        shape = torch.tensor([t.dim(), *t.shape], dtype=torch.long)
+        works += [td.isend(x, dst, group=group) for x in (torch.tensor([shape.numel()]), shape)]
+    return works + [td.isend(t.contiguous(), dst, group=group)]
+
+
+def _recv_shape(src: int, group) -> list[int]:
     size = torch.empty(1, dtype=torch.long)
     td.recv(size, src, group=group)
-    header = torch.empty(int(size), dtype=torch.long)
-    td.recv(header, src, group=group)
-    t = torch.empty(header[1:].tolist(), dtype=dtype)
-    td.recv(t, src, group=group)
-    return t
+    shape = torch.empty(int(size), dtype=torch.long)
+    td.recv(shape, src, group=group)
+    return shape[1:].tolist()
+
+
+def _recv(into: torch.Tensor, src: int, group) -> torch.Tensor:
+    td.recv(into, src, group=group)
+    return into
 
 
 def pipeline_step(stage: torch.nn.Module, batch: torch.Tensor | None, target: torch.Tensor | None, loss_fn,
@@ -178,9 +235,18 @@ def pipeline_step(stage: torch.nn.Module, batch: torch.Tensor | None, target: to
     held_bytes: dict[int, int] = {}  # micro-batch -> bytes of activations autograd saved for its backward
     pending, spans, total_loss = [], [], 0.0
     peak = peak_bytes = 0
+    # One message per activation or gradient: every micro-batch has the shape of the first (equal chunks), so only
+    # the first forward sends its shape, and a gradient has the shape of the activation it belongs to. Each message
+    # costs a wake-up of the receiver; on a busy CPU that is the larger part of a send's latency.
+    shape_in = shape_out = None  # of the activations this stage receives / sends
     for a in schedule(kind, p, micro_batches)[rank]:
         if a.kind == "F":  # each action's clock starts once its input is here: waiting is the bubble
-            x = inputs[a.micro_batch] if first else _recv(to_global(rank - 1), dtype, group).requires_grad_()
+            if first:
+                x = inputs[a.micro_batch]
+            else:
+                if shape_in is None:
+                    shape_in = _recv_shape(to_global(rank - 1), group)
+                x = _recv(torch.empty(shape_in, dtype=dtype), to_global(rank - 1), group).requires_grad_()
             start = time.perf_counter()
             with SavedActivations() as saved:  # what autograd keeps for this micro-batch's backward
                 y = stage(x)
@@ -188,18 +254,23 @@ def pipeline_step(stage: torch.nn.Module, batch: torch.Tensor | None, target: to
                 y = loss_fn(y, targets[a.micro_batch]) / micro_batches
                 total_loss += y.item()
             else:
-                pending += _send(y.detach(), to_global(rank + 1), group)
+                if shape_out is not None and y.shape != shape_out:
+                    raise ValueError(f"stage {rank} gave micro-batch {a.micro_batch} an output of shape "
+                                     f"{tuple(y.shape)} after micro-batch 0's {tuple(shape_out)}: a stage must give "
+                                     "every micro-batch the same shape")
+                pending += _send(y.detach(), to_global(rank + 1), group, header=shape_out is None)
+                shape_out = y.shape
             held[a.micro_batch], held_bytes[a.micro_batch] = (x, y), saved.bytes
             peak = max(peak, len(held))
             peak_bytes = max(peak_bytes, sum(held_bytes.values()))
         else:
             x, y = held.pop(a.micro_batch)
             del held_bytes[a.micro_batch]
-            grad = None if last else _recv(to_global(rank + 1), dtype, group)
+            grad = None if last else _recv(torch.empty_like(y), to_global(rank + 1), group)
             start = time.perf_counter()
             y.backward(grad)
             if not first:
-                pending += _send(x.grad, to_global(rank - 1), group)
+                pending += _send(x.grad, to_global(rank - 1), group, header=False)
         spans.append(Span(rank, a.kind, a.micro_batch, start, time.perf_counter()))
     for work in pending:
         work.wait()
