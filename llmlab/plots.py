@@ -275,22 +275,34 @@ def allreduce_sweep(sizes: Sequence[float], seconds: Mapping[str, Sequence[float
 
 def roofline(devices: Mapping[str, tuple[float, float]], points: Sequence = (), ax=None, i_range=(0.1, 1e4)):
     """Draw each device's roof (name → (peak FLOP/s, bandwidth B/s)) on log-log axes, with GEMM points
-    (`llmlab.hardware.roofline.Point`s: `label`, `intensity` and `measured_flops` are read); returns the Axes.
+    (`llmlab.hardware.roofline.Point`s: `label`, `intensity`, `measured_flops` and `spread` are read); returns the
+    Axes.
 
-    A point with `measured_flops` is drawn at that height; one without is a dotted line at its intensity,
-    labelled at the bottom (the roofs above it say what it could reach).
+    A point with `measured_flops` is drawn at that height, its spread as an error bar; one without is a dotted
+    line at its intensity, labelled at the bottom (the roofs above it say what it could reach). The axes' limits
+    hold `i_range`, every roof and every measured point with its error bar.
     """
     if ax is None:
         _, ax = plt.subplots(figsize=(7, 4.5))
-    xs = np.logspace(np.log10(i_range[0]), np.log10(i_range[1]), 200)
+    intensities = [p.intensity for p in points]
+    lo, hi = min([i_range[0], *intensities]) / 1.5, max([i_range[1], *intensities]) * 1.5
+    xs = np.logspace(np.log10(lo), np.log10(hi), 200)
+    heights = []
     for name, (peak, bw) in devices.items():
-        ax.plot(xs, np.minimum(peak, xs * bw), label=f"{name} (ridge {peak / bw:.0f} FLOP/B)")
+        roof = np.minimum(peak, xs * bw)
+        heights += [roof.min(), roof.max()]
+        ax.plot(xs, roof, label=f"{name} (ridge {peak / bw:.0f} FLOP/B)")
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)", ylabel="FLOP/s",
-           title="roofline: attainable = min(peak, intensity × bandwidth)")
+           title="roofline: attainable FLOP/s = min(peak FLOP/s, intensity × bandwidth B/s)")
     for p in points:
         ax.axvline(p.intensity, color="grey", lw=0.6, ls=":")
         if p.measured_flops is not None:
-            ax.plot(p.intensity, p.measured_flops, "o", ms=7, label=f"{p.label}: measured")
+            spread = getattr(p, "spread", 0.0)
+            ax.errorbar(p.intensity, p.measured_flops, yerr=[[p.measured_flops * min(spread, 0.9)],
+                                                              [p.measured_flops * spread]],
+                        fmt="o", ms=7, capsize=3, label=f"{p.label}: measured")
+            heights += [p.measured_flops * (1 - min(spread, 0.9)), p.measured_flops * (1 + spread)]
+    ax.set(xlim=(lo, hi), ylim=(min(heights) / 2, max(heights) * 2) if heights else None)
     bottom = ax.get_ylim()[0]  # read once the axes are logarithmic and every roof and point is drawn
     for p in points:
         if p.measured_flops is None:
