@@ -45,6 +45,25 @@ def test_find_straggler_from_step_times_and_pairs():
     assert "no straggler" in str(comm.find_straggler([0.100, 0.103]))
 
 
+def test_a_straggler_is_named_only_beyond_the_noise():
+    def rank(r, *steps):
+        return comm.RankTiming(r, sorted(steps)[len(steps) // 2], 0.01, steps)
+
+    quiet = [rank(0, 0.040, 0.042, 0.041), rank(1, 0.050, 0.060, 0.055), rank(2, 0.041, 0.043, 0.040)]
+    assert comm.work_spread(quiet) == pytest.approx(0.0575 - 0.0405)  # lowest q1 to highest q3
+    assert quiet[1].work.seconds == 0.055 and quiet[1].work.spread > 0
+    late = [rank(0, 0.040, 0.042, 0.041), rank(1, 0.150, 0.160, 0.155), rank(2, 0.041, 0.043, 0.040)]
+    found = comm.find_straggler(late, reference=quiet)
+    assert found.rank == 1 and found.conclusive and "beyond the 17.0 ms" in str(found)
+    # +14 ms over the others: over the 10% threshold, but within what the ranks spread with nothing planted
+    noisy = comm.find_straggler(quiet, reference=late)
+    assert noisy.rank is None and not noisy.conclusive and str(noisy).startswith("not conclusive")
+    assert "rank 1" not in str(noisy)  # no rank is named by noise
+    # over the threshold, but the slow rank's steps overlap another's: not conclusive without any reference
+    overlapping = [rank(0, 0.040, 0.070, 0.041), rank(1, 0.050, 0.060, 0.055), rank(2, 0.041, 0.043, 0.040)]
+    assert comm.find_straggler(overlapping).rank is None
+
+
 def share(rank, wall, compute, communication, calls, nbytes):
     return comm.CommShare(rank, wall, compute, communication, wall - compute - communication, calls, nbytes)
 

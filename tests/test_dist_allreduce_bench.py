@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import pytest  # noqa: E402
 
 from llmlab import bench as benches  # noqa: E402
-from llmlab import plots, widgets  # noqa: E402
+from llmlab import plots, timing, widgets  # noqa: E402
 from llmlab.dist import allreduce_bench, cost, trace  # noqa: E402
 
 SIZES = [1024, 16384]  # two small sizes: enough to fit α and β
@@ -32,13 +32,16 @@ def test_a_tiny_run_gives_well_formed_rows_and_a_record(run):
     assert (run.world_size, run.backend, run.sizes, run.repeats) == (2, "gloo", tuple(SIZES), 2)
     assert set(run.seconds) == set(allreduce_bench.IMPLS)
     assert all(len(t) == 2 and min(t) > 0 for t in run.seconds.values())
+    assert all(len(t.samples) == 2 and t.calls >= 1 and t.load is not None for ts in run.timings.values() for t in ts)
     rows = run.rows()
     timed = [r for r in rows if "size" in r]
     assert [(r["impl"], r["size"]) for r in timed] == [("ring", 1024), ("tree", 1024), ("ring", 16384),
                                                         ("tree", 16384)]
     for r in timed:
         assert r["peer"] == "torch"
-        assert r["ratio"] == pytest.approx(r["impl_ms"] / r["peer_ms"])
+        i = SIZES.index(r["size"])
+        assert r["ratio"] == pytest.approx(run.comparison(r["impl"], "torch", i).ratio)  # median per-repeat ratio
+        assert r["impl_ms"] == pytest.approx(run.timings[r["impl"]][i].ms) and r["impl_spread"] >= 0
         # nccl-tests' busbw: algbw · 2(n−1)/n, which is algbw itself on 2 ranks
         assert r["impl_busbw_GBs"] == pytest.approx(r["size"] / (r["impl_ms"] / 1e3) / 1e9)
     fits = [r for r in rows if r.get("peer") == "α-β fit"]
@@ -55,15 +58,27 @@ def test_a_tiny_run_gives_well_formed_rows_and_a_record(run):
     assert allreduce_bench.recent(2) is run
 
 
+def constructed(n, sizes, seconds, noise=(1.0,)):
+    """An AllReduceRun from exact times: each repeat k is every time × noise[k]."""
+    timings = {impl: tuple(timing.Timing.from_samples([t * f for f in noise]) for t in ts)
+               for impl, ts in seconds.items()}
+    return allreduce_bench.AllReduceRun(n, "gloo", tuple(sizes), timings)
+
+
+def model_times(n, sizes, alpha, beta):
+    seconds = {"ring": tuple(cost.ring_allreduce_time(s, n, alpha, beta) for s in sizes),
+               "tree": tuple(cost.tree_allreduce_time(s, n, alpha, beta) for s in sizes)}
+    return seconds | {"torch": seconds["ring"]}
+
+
 def test_fits_and_crossover_follow_the_model():
     n, alpha, beta = 4, 2e-4, 1 / 5e8
     sizes = tuple(1024 * 4**k for k in range(8))
-    seconds = {"ring": tuple(cost.ring_allreduce_time(s, n, alpha, beta) for s in sizes),
-               "tree": tuple(cost.tree_allreduce_time(s, n, alpha, beta) for s in sizes)}
-    seconds["torch"] = seconds["ring"]
-    model = allreduce_bench.AllReduceRun(n, "gloo", sizes, seconds, 1)
+    seconds = model_times(n, sizes, alpha, beta)
+    model = constructed(n, sizes, seconds)
     link = model.link_fit()
     assert (link.alpha, link.beta) == (pytest.approx(alpha), pytest.approx(beta)) and link.residual < 1e-9
+    assert all(abs(r) < 1e-9 for rs in model.residuals().values() for r in rs)
     assert model.fit("tree").alpha == pytest.approx(alpha)
     predicted = cost.crossover_bytes(n, alpha, beta)  # 4α/β = 400 kB
     assert model.predicted_crossover() == pytest.approx(predicted)
@@ -74,8 +89,46 @@ def test_fits_and_crossover_follow_the_model():
     assert model.link().alpha == pytest.approx(alpha)
     assert list(model.measured()) == [f"{impl} (measured, 4 ranks)" for impl in allreduce_bench.IMPLS]
     slower_tree = {**seconds, "tree": tuple(2 * t for t in seconds["ring"])}
-    faster_ring = allreduce_bench.AllReduceRun(n, "gloo", sizes, slower_tree, 1)
-    assert faster_ring.crossover() is None
+    faster_ring = constructed(n, sizes, slower_tree)
+    assert faster_ring.crossover() is None and faster_ring.crossover_range() == (0.0, 0.0)
+
+
+def test_repeats_give_the_crossovers_their_ranges_and_the_sentence_follows_them():
+    n, alpha, beta = 4, 2e-4, 1 / 5e8
+    sizes = tuple(1024 * 4**k for k in range(8))
+    # every repeat scaled alike: the ratios and the fits are the model's in each repeat, the ranges a point
+    same = constructed(n, sizes, model_times(n, sizes, alpha, beta), noise=(1.0, 1.3, 0.8, 1.1, 0.9))
+    assert same.repeats == 5 and same.faster(0) == "tree" and same.faster(-1) == "ring"
+    lo, hi = same.predicted_range()
+    assert lo == pytest.approx(hi) == pytest.approx(cost.crossover_bytes(n, alpha, beta))
+    m_lo, m_hi = same.crossover_range()
+    assert m_lo == pytest.approx(m_hi) == pytest.approx(same.crossover())
+    assert "lower than measured" in same.crossover_says()  # interpolation lands above the exact crossing
+    # the ring measured slower at the large sizes than the model says: the measured crossover moves up, far
+    seconds = model_times(n, sizes, alpha, beta)
+    ring = [t * (3 if s >= 1 << 20 else 1) for s, t in zip(sizes, seconds["ring"], strict=True)]
+    slow = {**seconds, "ring": tuple(ring)}
+    says = constructed(n, sizes, slow, noise=(1.0, 1.1, 0.9)).crossover_says()
+    assert "lower than measured" in says and "at least" in says and "predicts" in says
+
+
+def test_a_comparison_the_repeats_disagree_on_is_not_conclusive():
+    sizes = (1024, 4096)
+    ring = [timing.Timing.from_samples([1.0, 3.0, 1.0, 3.0]), timing.Timing.from_samples([4.0, 4.0, 4.0, 4.0])]
+    tree = [timing.Timing.from_samples([2.0, 2.0, 2.0, 2.0]), timing.Timing.from_samples([8.0, 8.0, 8.0, 8.0])]
+    run = allreduce_bench.AllReduceRun(4, "gloo", sizes, {"ring": tuple(ring), "tree": tuple(tree),
+                                                           "torch": tuple(ring)})
+    assert run.faster(0) == "not conclusive" and run.faster(1) == "ring"
+    assert run.comparison("ring", "tree", 0).ratios == (0.5, 1.5, 0.5, 1.5)
+
+
+def test_a_burst_lasts_from_the_last_ranks_start_to_the_last_ranks_end():
+    # 2 ranks, 1 size, 1 implementation timed: rank 1 left the barrier 5 s late; 4 calls per burst
+    spans = [{"ring": [[(0.0, 10.0), (20.0, 26.0)]]}, {"ring": [[(5.0, 11.0), (20.0, 28.0)]]}]
+    per_rank = [{"calls": {impl: [4] for impl in allreduce_bench.IMPLS},
+                 "spans": {impl: r.get(impl, r["ring"]) for impl in allreduce_bench.IMPLS}} for r in spans]
+    (t,) = allreduce_bench._summarise(per_rank, (1024,), timing.Load(1.0, 2))["ring"]
+    assert t.samples == ((11.0 - 5.0) / 4, (28.0 - 20.0) / 4) and t.calls == 4 and t.load.cores == 2
 
 
 @pytest.mark.parametrize("bad, match", [(dict(sizes=[1024]), "at least 2"), (dict(sizes=[1024, 1023]), "multiple"),

@@ -4,6 +4,7 @@ chapter and the bench, never asserted here."""
 import pytest
 import torch
 
+from llmlab import timing
 from llmlab.dist import overlap
 from llmlab.timeline import Timeline
 
@@ -57,6 +58,20 @@ def test_the_ranks_timelines_merge_into_one(runs):
     assert merged.lanes == (0, 1) and merged.kinds == ("compute", "comm")
     assert len(merged.spans) == 2 * 2 * SMALL["n_layers"]  # a compute and a comm span per layer on each rank
     assert merged.end <= max(r.total for r in runs["torch"]["async"])
+
+
+def test_rounds_make_timings_a_comparison_and_a_typical_round(runs):
+    for result in runs.values():
+        assert set(result.timings) == set(overlap.MODES)
+        assert all(len(t.samples) == 5 and t.load is not None for t in result.timings.values())
+        assert result.comparison().ratios == tuple(
+            a / s for a, s in zip(result.timings["async"].samples, result.timings["serial"].samples, strict=True))
+
+
+def test_the_typical_round_is_the_one_nearest_the_median():
+    ranks = [[overlap.RankRun(0, "serial", "torch", t, None)] for t in (3.0, 1.0, 2.2)]
+    result = overlap.Overlap({"serial": ranks}, {"serial": timing.Timing.from_samples([3.0, 1.0, 2.2])})
+    assert result["serial"][0].total == 2.2
 
 
 @pytest.mark.parametrize("kwargs,match", [(dict(mode="overlapped"), "mode="), (dict(comm="nccl"), "comm="),

@@ -6,14 +6,17 @@ rank. A hung collective is `llmlab.diagnose.hang`'s.
   `comm_verdict(shares)` combines the ranks' answers into a verdict and remedies ranked by what they would save.
 - **Straggler.** `rank_timing(step_fn)` on every rank splits its step into work and time inside collectives: in
   synchronous training the fast ranks wait there for the slow one, so their collective time is long and the
-  straggler's short. `find_straggler(timings)` names the slow rank and by how much.
+  straggler's short. `find_straggler(timings, reference=quiet)` names the slow rank and by how much — only when it
+  stands out beyond the noise: beyond its own steps' spread, and beyond `work_spread(quiet)`, how far apart the
+  ranks' work was in a run with nothing planted (on a busy machine ranks doing equal work differ by tens of percent).
 
     from llmlab import dist
     from llmlab.diagnose import comm
 
     with dist.Cluster(4) as cluster:                     # step: a function of no argument, one training step
         print(comm.comm_verdict(cluster.run(comm.comm_share, step)))
-        print(comm.find_straggler(cluster.run(comm.rank_timing, step)))
+        quiet = cluster.run(comm.rank_timing, step)        # the noise: the same step, nothing wrong
+        print(comm.find_straggler(cluster.run(comm.rank_timing, suspect_step), reference=quiet))
 
 In one process (no group) `comm_share(step)` still splits compute from the rest. Under torchrun:
 `dist.init_from_env()`, call `comm_share`/`rank_timing` on every rank, gather the results on rank 0
@@ -30,12 +33,12 @@ from dataclasses import dataclass
 
 import torch.distributed as td
 
-from llmlab import validation
+from llmlab import timing, validation
 from llmlab.dist.commlog import CommLog
 from llmlab.monitor import profile_step
 
 __all__ = ["CommShare", "comm_share", "Remedy", "CommVerdict", "comm_verdict", "RankTiming", "rank_timing",
-           "Straggler", "find_straggler"]
+           "Straggler", "find_straggler", "work_spread"]
 
 # Below ~256 KiB a message costs mostly latency: the α·β crossover (n½ = α/β) is 270 KB for NVLink 4 and 135 KB
 # for InfiniBand NDR (llmlab.dist.cost.LINKS), ~100 KB for gloo over TCP loopback (α ≈ 50 µs, ~2 GB/s).
@@ -70,6 +73,12 @@ class CommShare:
     other: float  # no op: Python, sleeping, waiting on async collectives (DDP buckets)
     calls: float  # collectives per step
     bytes_sent: float  # per step, as CommLog counts them (nccl-tests' bus bytes)
+    walls: tuple[float, ...] = ()  # each measured step's wall seconds
+    works: tuple[float, ...] = ()  # each measured step's seconds outside collectives
+
+    def wall_timing(self) -> timing.Timing:
+        """The step's wall time over the measured steps: median, spread and load (`timing.Timing`)."""
+        return timing.Timing.from_samples(self.walls or (self.wall,), load=timing.Load.now())
 
     @property
     def share(self) -> float:
@@ -77,7 +86,7 @@ class CommShare:
 
     def timing(self) -> RankTiming:
         """This step as `find_straggler` reads it: work outside collectives, time inside them."""
-        return RankTiming(self.rank, max(self.wall - self.communication, 0.0), self.communication)
+        return RankTiming(self.rank, max(self.wall - self.communication, 0.0), self.communication, self.works)
 
     def __str__(self) -> str:
         parts = " + ".join(f"{k} {_ms(v)} ({v / max(self.wall, 1e-12):.0%})" for k, v in
@@ -102,6 +111,7 @@ def comm_share(step_fn: Callable[[], object], steps: int = 3, warmup: int = 1) -
     for _ in range(warmup):
         step_fn()
     wall = compute = comm = calls = sent = 0.0
+    walls, works = [], []
     for _ in range(steps):
         with CommLog() as log:
             split = profile_step(step_fn)
@@ -111,9 +121,12 @@ def comm_share(step_fn: Callable[[], object], steps: int = 3, warmup: int = 1) -
         # as DataParallel's does) holds that wait in its self time too: compute is at most the time outside
         step_compute = split["compute"] if nccl else min(split["compute"], max(split["wall"] - step_comm, 0.0))
         wall, compute, comm = wall + split["wall"], compute + step_compute, comm + step_comm
+        walls.append(split["wall"])
+        works.append(max(split["wall"] - step_comm, 0.0))
         calls, sent = calls + sum(s.calls for s in ops), sent + log.bytes_sent
     other = max(wall - compute - comm, 0.0)
-    return CommShare(_rank(), wall / steps, compute / steps, comm / steps, other / steps, calls / steps, sent / steps)
+    return CommShare(_rank(), wall / steps, compute / steps, comm / steps, other / steps, calls / steps, sent / steps,
+                     tuple(walls), tuple(works))
 
 
 @dataclass(frozen=True)
@@ -205,13 +218,20 @@ def comm_verdict(shares: list[CommShare]) -> CommVerdict:
 @dataclass(frozen=True)
 class RankTiming:
     rank: int
-    compute: float  # seconds per step outside collectives: computation, data loading, Python, sleeping
-    wait: float  # seconds per step inside collectives: the transfer, plus waiting for the slowest rank
+    compute: float  # seconds per step outside collectives: computation, data loading, Python, sleeping (median)
+    wait: float  # seconds per step inside collectives: the transfer, plus waiting for the slowest rank (median)
+    steps: tuple[float, ...] = ()  # each measured step's seconds outside collectives
+
+    @property
+    def work(self) -> timing.Timing:
+        """This rank's work per step over the measured steps: median and spread (`timing.Timing`)."""
+        return timing.Timing.from_samples(self.steps or (self.compute,))
 
 
 def rank_timing(step_fn: Callable[[], object], steps: int = 5, warmup: int = 1) -> RankTiming:
     """On every rank: time `steps` calls of `step_fn` (after `warmup`), the time inside collectives by a CommLog.
-    Medians over the steps, so that one step the OS stalled does not make a straggler."""
+    Medians over the steps (`timing.Timing.from_samples`), so that one step the OS stalled does not make a
+    straggler; each step's work is kept too, for its spread."""
 
     _check_steps(step_fn, steps, warmup)
     for _ in range(warmup):
@@ -225,12 +245,14 @@ def rank_timing(step_fn: Callable[[], object], steps: int = 5, warmup: int = 1) 
         inside = sum(s.seconds for s in log.by_op().values())
         compute.append(max(wall - inside, 0.0))
         wait.append(inside)
-    return RankTiming(_rank(), statistics.median(compute), statistics.median(wait))
+    return RankTiming(_rank(), timing.Timing.from_samples(compute).seconds, timing.Timing.from_samples(wait).seconds,
+                      tuple(compute))
 
 
 @dataclass(frozen=True)
 class Straggler:
-    """`find_straggler`'s answer; `rank` is None when no rank is slower than the threshold."""
+    """`find_straggler`'s answer; `rank` is None unless a rank stands out (then `conclusive` says whether the
+    slowest rank was over the threshold but within the noise: 'not conclusive')."""
 
     rank: int | None
     slowest: int
@@ -239,24 +261,33 @@ class Straggler:
     compute: list[float]
     wait: list[float] | None
     threshold: float
+    noise: float | None = None  # work_spread of the reference run (seconds), when one was given
+    conclusive: bool = True  # False: over the threshold, but not beyond the noise
 
     def __str__(self) -> str:
         s, rel = self.slowest, self.slow_by / self.baseline if self.baseline > 0 else float("inf")
-        if self.rank is None:
-            return (f"no straggler: the slowest rank, {s}, is {_ms(self.slow_by)} (+{rel:.0%}) above the others' "
-                    f"median {_ms(self.baseline)}, under the threshold (+{self.threshold:.0%})")
+        noise = "" if self.noise is None else f"the {_ms(self.noise)} the ranks' work spread with nothing planted"
+        if self.rank is None:  # no rank is named by noise, not even as "the slowest"
+            over = (f"the slowest rank's work is {_ms(self.slow_by)} (+{rel:.0%}) above the others' median "
+                    f"{_ms(self.baseline)}")
+            if self.conclusive:
+                return f"no straggler: {over}, under the threshold (+{self.threshold:.0%})"
+            return (f"not conclusive: {over}, over the threshold (+{self.threshold:.0%}) but within "
+                    + (f"{noise} or " if noise else "") + "its own steps' spread")
         text = (f"rank {s} is the straggler: {_ms(self.compute[s])} of work per step vs {_ms(self.baseline)} on the "
                 f"other ranks (median), {_ms(self.slow_by)} slower (+{rel:.0%})")
+        text += f", beyond {noise}" if noise else ""
         if self.wait is not None:
             others = statistics.median(w for i, w in enumerate(self.wait) if i != s)
             text += f"; the others wait {_ms(others)} per step inside collectives, rank {s} {_ms(self.wait[s])}"
         return text
 
 
-def _split(timings) -> tuple[list[float], list[float] | None]:
+def _split(timings) -> tuple[list[float], list[float] | None, list[tuple[float, ...]]]:
+    """Per rank: the work (median), the wait inside collectives (or None), and each step's work."""
     if isinstance(timings, str | bytes) or not hasattr(timings, "__iter__"):
         raise ValueError(f"timings={timings!r:.80} must be a list with one entry per rank")
-    compute, wait = [], []
+    compute, wait, steps = [], [], []
     for i, t in enumerate(timings):
         t = t.timing() if isinstance(t, CommShare) else t
         pair = (t.compute, t.wait) if isinstance(t, RankTiming) else tuple(t) if isinstance(t, tuple | list) else (t,)
@@ -266,28 +297,49 @@ def _split(timings) -> tuple[list[float], list[float] | None]:
             raise ValueError(f"timings[{i}]={t!r}: times must be finite seconds >= 0")
         compute.append(float(pair[0]))
         wait.append(float(pair[-1]) if len(pair) == 2 else None)
+        steps.append(tuple(t.steps) if isinstance(t, RankTiming) and t.steps else (float(pair[0]),))
     if len(compute) < 2:
         raise ValueError(f"timings has {len(compute)} ranks: need at least 2 to compare")
     if len({w is None for w in wait}) > 1:
         raise ValueError("timings mixes step times with (compute, wait) pairs: give every rank the same kind")
-    return compute, None if wait[0] is None else wait
+    return compute, None if wait[0] is None else wait, steps
 
 
-def find_straggler(timings, threshold: float = 0.1, min_seconds: float = 2e-3) -> Straggler:
+def _quartiles(values) -> tuple[float, float]:
+    if len(values) == 1:
+        return values[0], values[0]
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
+
+
+def work_spread(timings) -> float:
+    """How far apart the ranks' work per step lies, in seconds: from the lowest lower quartile of any rank's steps
+    to the highest upper quartile. Measured on a run with nothing planted, it is the noise a straggler must exceed."""
+    quartiles = [_quartiles(s) for s in _split(timings)[2]]
+    return max(q3 for _, q3 in quartiles) - min(q1 for q1, _ in quartiles)
+
+
+def find_straggler(timings, threshold: float = 0.1, min_seconds: float = 2e-3, reference=None) -> Straggler:
     """The slow rank, from per-rank timings in rank order: (compute, wait) pairs, `RankTiming`s
     (`cluster.run(rank_timing, step)`), `CommShare`s, or seconds of work per rank — not whole step times of
     synchronous training, where every rank's step lasts as long as the slowest one's.
 
-    A rank is the straggler when its work exceeds the other ranks' median by more than `threshold` (10%: ranks
-    doing the same work differ by a few percent run to run — clocks, scheduling, sample lengths — and a rank 10%
-    slower slows every synchronous step by 10%) and by more than `min_seconds` (2 ms: below that, timer and
-    scheduler noise on a shared machine, where a Linux time slice is a few ms)."""
+    The slowest rank is named when its work exceeds the other ranks' median by more than `threshold` (10%: a rank
+    10% slower slows every synchronous step by 10%) and `min_seconds` (2 ms: timer and scheduler noise, a Linux time
+    slice being a few ms), *and* it stands out beyond the noise: the lower quartile of its steps is above the upper
+    quartile of every other rank's, and, given a `reference` run of the same step with nothing planted, its excess
+    is more than `work_spread(reference)`. Over the threshold but not beyond the noise is 'not conclusive'
+    (`conclusive=False`, no rank named): on a busy machine, ranks doing equal work differ by tens of percent."""
     for name, value in (("threshold", threshold), ("min_seconds", min_seconds)):
         if not math.isfinite(validation.number(name, value, low=0)):
             raise ValueError(f"{name}={value!r} must be a finite number >= 0")
-    compute, wait = _split(timings)
+    compute, wait, steps = _split(timings)
+    noise = None if reference is None else work_spread(reference)
     slowest = max(range(len(compute)), key=compute.__getitem__)
     baseline = statistics.median(c for i, c in enumerate(compute) if i != slowest)
     slow_by = compute[slowest] - baseline
-    found = slow_by > threshold * baseline and slow_by > min_seconds
-    return Straggler(slowest if found else None, slowest, slow_by, baseline, compute, wait, threshold)
+    over = slow_by > threshold * baseline and slow_by > min_seconds
+    apart = _quartiles(steps[slowest])[0] > max(_quartiles(s)[1] for i, s in enumerate(steps) if i != slowest)
+    beyond = apart and (noise is None or slow_by > noise)
+    return Straggler(slowest if over and beyond else None, slowest, slow_by, baseline, compute, wait, threshold, noise,
+                     not over or beyond)

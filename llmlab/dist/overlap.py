@@ -14,10 +14,14 @@ communication span on every rank (an `llmlab.timeline.Timeline`, one lane per ra
     from llmlab.timeline import Timeline
 
     with dist.Cluster(2) as cluster:
-        runs = overlap.compare(cluster)            # {"serial": [RankRun per rank], "async": [...]}
-    for mode, ranks in runs.items():
-        print(mode, max(r.total for r in ranks))
+        runs = overlap.compare(cluster)            # serial and async, in interleaved rounds
+    print(runs.timings["serial"], runs.comparison().says("async", "serial"))
     plots.plot_timeline(Timeline.merge(r.timeline for r in runs["async"]), split_kinds=True)
+
+A run's time is its slowest rank's `total`; `compare` runs the modes in rounds, in an order rotated from round to
+round (`llmlab.timing`'s method, carried over to ranks), and keeps each mode's times as a `timing.Timing` and
+their per-round ratio as a `timing.Comparison`. `runs[mode]` is the ranks of that mode's typical round (the one
+nearest its median), for drawing.
 
 `comm="torch"` uses `torch.distributed.all_reduce(..., async_op=True)` (a comm span runs from the call to the
 moment gloo/NCCL completes it, read from the Work's future, so it includes time queued behind the previous
@@ -36,11 +40,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as td
 
-from llmlab import validation
+from llmlab import timing, validation
 from llmlab.dist.collectives import ring_all_reduce
 from llmlab.timeline import Span, Timeline
 
-__all__ = ["RankRun", "run_layers", "compare", "MODES", "COMMS"]
+__all__ = ["RankRun", "Overlap", "run_layers", "compare", "MODES", "COMMS"]
 
 MODES = ("serial", "async")
 COMMS = ("torch", "ring")
@@ -116,14 +120,47 @@ def run_layers(mode: str = "async", comm: str = "torch", n_layers: int = 8, dim:
                    grads if keep_grads else None)
 
 
-def compare(cluster, modes=MODES, warmup: int = 1, timeout: float = 120.0, **kwargs) -> dict[str, list[RankRun]]:
-    """Run `run_layers` in each mode on every rank of `cluster` (a `dist.Cluster`); {mode: [RankRun per rank]}.
+@dataclass(frozen=True)
+class Overlap:
+    """`compare`'s answer: every round's ranks per mode, and each mode's time per round (its slowest rank's)."""
 
-    `warmup` untimed runs first (thread pools, allocator, gloo buffers). `kwargs` go to `run_layers`.
+    rounds: dict[str, list[list[RankRun]]]  # mode → per round, the RankRun of every rank
+    timings: dict[str, timing.Timing]  # mode → seconds per run, over the rounds
+
+    def __getitem__(self, mode: str) -> list[RankRun]:
+        """The ranks of `mode`'s typical round: the one whose time is nearest the mode's median."""
+        t = self.timings[mode]
+        typical = min(range(len(t.samples)), key=lambda k: abs(t.samples[k] - t.seconds))
+        return self.rounds[mode][typical]
+
+    def comparison(self, impl: str = "async", peer: str = "serial") -> timing.Comparison:
+        """`impl`'s time against `peer`'s, round by round (below 1: `impl` is faster)."""
+        a, b = self.timings[impl], self.timings[peer]
+        return timing.Comparison(a, b, tuple(x / y for x, y in zip(a.samples, b.samples, strict=True)))
+
+
+def compare(cluster, modes=MODES, warmup: int = 1, rounds: int = 5, timeout: float = 120.0, **kwargs) -> Overlap:
+    """Run `run_layers` in each mode on every rank of `cluster` (a `dist.Cluster`), `rounds` times each.
+
+    `warmup` untimed runs first (thread pools, allocator, gloo buffers). The modes alternate within a round, in an
+    order rotated from round to round, so a busy spell of the machine hits both. `kwargs` go to `run_layers`.
     """
+    modes = tuple(modes)
+    if not modes or any(m not in MODES for m in modes):
+        raise ValueError(f"modes={modes!r} must be a non-empty selection of {MODES}")
+    validation.integer("rounds", rounds, low=1)
+    validation.integer("warmup", warmup, low=0)
     for _ in range(warmup):
         cluster.run(_run, "serial", {**kwargs, "n_layers": 1}, timeout=timeout)
-    return {mode: cluster.run(_run, mode, kwargs, timeout=timeout) for mode in modes}
+    load = timing.Load.now()
+    ran = {mode: [] for mode in modes}
+    for k in range(rounds):
+        for j in range(len(modes)):
+            mode = modes[(k + j) % len(modes)]
+            ran[mode].append(cluster.run(_run, mode, kwargs, timeout=timeout))
+    load = load.busier(timing.Load.now())
+    return Overlap(ran, {mode: timing.Timing.from_samples([max(r.total for r in ranks) for ranks in per_round],
+                                                          load=load) for mode, per_round in ran.items()})
 
 
 def _run(mode, kwargs):
