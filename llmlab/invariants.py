@@ -14,7 +14,10 @@ on every executed page.
 
 from __future__ import annotations
 
+import math
 import warnings
+
+from llmlab import timing
 
 __all__ = ["InvariantWarning", "check", "rising"]
 
@@ -33,10 +36,19 @@ def check(holds: bool, message: str) -> bool:
 
 
 def rising(timings, what: str, labels) -> bool:
-    """Check that `timings` (timing.Timing, in order of growing work) do not fall: each is at least the one before,
-    unless the two overlap within their spreads (then the rounds cannot tell them apart)."""
+    """Check that `timings` (timing.Timing, in order of growing work) do not fall from one to the next.
+
+    Timings measured in the same rounds (as many samples each: `timing.interleave`, or a sweep repeated as a
+    whole) are compared round by round: a fall is one that most rounds agree on (the paired ratios' interquartile
+    range lies below 1), so a busy spell that slowed one round of the smaller work does not count. Otherwise a
+    fall must exceed both figures' spreads. Where the work barely differs (a latency-bound message, a small batch)
+    two equal times can come out either way; only a fall the rounds agree on is a violation."""
     pairs, ok = list(zip(labels, timings, strict=True)), True
     for (a, ta), (b, tb) in zip(pairs, pairs[1:], strict=False):
-        fell = tb.seconds * (1 + tb.spread) < ta.seconds * (1 - ta.spread)
+        if len(ta.samples) == len(tb.samples) > 1:
+            ratios = tuple(y / x if x > 0 else math.inf for x, y in zip(ta.samples, tb.samples, strict=True))
+            fell = timing.Comparison(tb, ta, ratios).direction() == "faster"
+        else:
+            fell = tb.seconds * (1 + tb.spread) < ta.seconds * (1 - ta.spread)
         ok &= check(not fell, f"{what} fell from {ta} at {a} to {tb} at {b}, though {b} is more work")
     return ok

@@ -26,6 +26,21 @@ def test_rising_names_a_fall_beyond_the_spreads():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert invariants.rising([t(1, 0.01), t(2, 0.01), t(4, 0.01)], "step time", [4, 16, 64])
-        assert invariants.rising([t(1, 0.2), t(0.9, 0.2)], "step time", [4, 16])  # within the spreads: a tie
+        tie = timing.Timing((0.54, 1.26, 1.08, 0.9, 0.72))  # median 0.9, rounds that disagree with t(1, 0.2)'s
+        assert invariants.rising([t(1, 0.2), tie], "step time", [4, 16])
+        fewer = timing.Timing((0.8, 0.9, 1.0))  # not the same rounds: judged by the spreads, which overlap
+        assert invariants.rising([t(1, 0.2), fewer], "step time", [4, 16])
     with pytest.warns(invariants.InvariantWarning, match="step time fell from 2 s ±1% at 16 to 1 s ±1% at 64"):
         assert not invariants.rising([t(1, 0.01), t(2, 0.01), t(1, 0.01)], "step time", [4, 16, 64])
+
+
+def test_rising_compares_shared_rounds_pair_by_pair():
+    # the same 5 rounds: round 2 slowed the smaller work only (a busy spell); most rounds say the larger takes longer
+    small = timing.Timing((1.0, 3.0, 1.0, 1.0, 1.0))
+    large = timing.Timing((1.1, 1.0, 1.1, 1.1, 1.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert invariants.rising([small, large], "ring time", ["1 KiB", "16 KiB"])
+    faster = timing.Timing((0.8, 0.9, 0.8, 0.7, 0.8))  # every round agrees it fell
+    with pytest.warns(invariants.InvariantWarning, match="ring time fell from 1 s ±0% at 1 KiB"):
+        assert not invariants.rising([small, faster], "ring time", ["1 KiB", "16 KiB"])
