@@ -50,6 +50,7 @@ shapes first (receivers need them).
 
 from __future__ import annotations
 
+import itertools
 import zlib
 
 import torch
@@ -157,25 +158,62 @@ def _one(t: torch.Tensor, peer: int) -> list:
 
 
 # -- ring ------------------------------------------------------------------------------------------------------
-def _ring_reduce_scatter_flat(flat, sizes, rank, n, group) -> torch.Tensor:
-    """The sum over ranks of chunk `rank` of 1-D `flat` (left unchanged), as a new tensor."""
+PIECE_BYTES = 1 << 20  # a ring step's chunk travels in pieces of about this size (see _ring_step)
+
+
+def _pieces(sizes: list[int], element_size: int) -> int:
+    """How many pieces every chunk is cut into: the same on every rank, as both ends of a message must agree."""
+    return max(1, -(-max(sizes) * element_size // PIECE_BYTES))  # ceil
+
+
+def _ring_step(send: torch.Tensor, recv: torch.Tensor, k: int, right: int, left: int, group, reduce=None) -> None:
+    """One ring step: send `send` to the right and receive `recv` from the left, each cut in `k` pieces.
+
+    Two pieces are in flight at once: while piece i+1 travels, piece i is reduced (`reduce(lo, hi)`, the range of
+    `recv` that has arrived), so the additions hide behind the transfer and the link does not wait for Python.
+    Each piece goes as one send/receive pair (`post`), so a ring cannot deadlock on NCCL either.
+    """
+    sends, recvs = send.tensor_split(k), recv.tensor_split(k)  # k views each
+    bounds = [0, *itertools.accumulate(r.numel() for r in recvs)]
+    pending = post(_one(sends[0], right), _one(recvs[0], left), group)
+    for i in range(k):
+        after = (post(_one(sends[i + 1], right), _one(recvs[i + 1], left), group, tag=(i + 1) % 2)
+                 if i + 1 < k else None)
+        pending.wait()
+        if reduce is not None:
+            reduce(bounds[i], bounds[i + 1])
+        pending = after
+
+
+def _ring_reduce_scatter_flat(flat, sizes, rank, n, group, in_place: bool = False) -> torch.Tensor:
+    """The sum over ranks of chunk `rank` of 1-D `flat`: a new tensor, `flat` unchanged; or, `in_place`, the sum
+    written into `flat`'s own chunk `rank` (other chunks then hold partial sums) and returned as a view of it.
+
+    Chunk c is summed along the ring in one order, the left neighbour's running sum plus my share (a + b == b + a
+    in IEEE arithmetic, so in place or not the bits are the same).
+    """
     chunks = flat.split(sizes)  # n views
-    right, left = (rank + 1) % n, (rank - 1) % n
+    if n == 1:
+        return chunks[0] if in_place else chunks[0].clone()
+    right, left, k = (rank + 1) % n, (rank - 1) % n, _pieces(sizes, flat.element_size())
+    buffers = [torch.empty(max(sizes), dtype=flat.dtype, device=flat.device) for _ in range(1 if in_place else 2)]
     running = chunks[(rank - 1) % n]  # step 0 sends my own share of chunk rank−1
     for step in range(n - 1):
         c = (rank - step - 2) % n  # the chunk arriving from the left: summed over ranks c+1 … rank−1 so far
-        incoming = torch.empty_like(chunks[c])  # (sizes[c],)
-        exchange(_one(running, right), _one(incoming, left), group)
-        running = incoming.add_(chunks[c])  # ... plus my share; after the last step c == rank
-    return running if n > 1 else chunks[0].clone()
+        incoming = buffers[step % len(buffers)][:sizes[c]]  # (sizes[c],)
+        into, other = (chunks[c], incoming) if in_place else (incoming, chunks[c])
+        _ring_step(running, incoming, k, right, left, group,
+                   lambda lo, hi, into=into, other=other: into[lo:hi].add_(other[lo:hi]))
+        running = into  # ... plus my share; after the last step c == rank
+    return running
 
 
 def _ring_all_gather_flat(out, sizes, rank, n, group) -> None:
     """Fill every chunk of 1-D `out` from its owner; chunk `rank` is already in place."""
-    chunks = out.split(sizes)
+    chunks, k = out.split(sizes), _pieces(sizes, out.element_size())
     right, left = (rank + 1) % n, (rank - 1) % n
     for step in range(n - 1):  # pass on the chunk received last step; receive the one before it
-        exchange(_one(chunks[(rank - step) % n], right), _one(chunks[(rank - step - 1) % n], left), group)
+        _ring_step(chunks[(rank - step) % n], chunks[(rank - step - 1) % n], k, right, left, group)
 
 
 def ring_reduce_scatter(tensor, group=None, op: str = "sum", *, check: bool = True) -> torch.Tensor:
@@ -216,8 +254,9 @@ def ring_all_reduce(tensor, group=None, op: str = "sum", *, check: bool = True) 
     rank, n, flat = _prepare("ring_all_reduce", "tensor", tensor, group, op, check)  # flat: (S,)
     with scope("ring_all_reduce", tensor):
         sizes = chunk_sizes(flat.numel(), n)
-        mine = _ring_reduce_scatter_flat(flat, sizes, rank, n, group)  # (sizes[rank],) reduced
-        flat.split(sizes)[rank].copy_(mine.div_(n) if op == "avg" else mine)
+        mine = _ring_reduce_scatter_flat(flat, sizes, rank, n, group, in_place=True)  # view of my chunk, reduced
+        if op == "avg":
+            mine.div_(n)
         _ring_all_gather_flat(flat, sizes, rank, n, group)
         return _write_back(tensor, flat)
 

@@ -131,15 +131,16 @@ def _global(group, rank: int) -> int:
     return rank if group is None else td.get_global_rank(group, rank)
 
 
-def post(sends=(), recvs=(), group=None) -> Pending:
+def post(sends=(), recvs=(), group=None, tag: int = 0) -> Pending:
     """Start sends `[(tensor, dst), ...]` and receives `[(tensor, src), ...]` together, without waiting.
 
     `dst`/`src` are ranks of `group` (the default group when None). The messages go out in one
     `torch.distributed.batch_isend_irecv`, which NCCL runs as one group, so a ring where every rank sends
-    right and receives left cannot deadlock. The tensors must stay untouched until `wait()`.
+    right and receives left cannot deadlock. The tensors must stay untouched until `wait()`. `tag` tells apart
+    messages between the same two ranks in flight at once (gloo matches a receive by peer and tag).
     """
     messages = [("send", t, dst) for t, dst in sends] + [("recv", t, src) for t, src in recvs]
-    ops = [td.P2POp(td.isend if kind == "send" else td.irecv, t, _global(group, peer), group)
+    ops = [td.P2POp(td.isend if kind == "send" else td.irecv, t, _global(group, peer), group, tag)
            for kind, t, peer in messages]
     if _logs:
         _sync(messages[0][1] if messages else None)
