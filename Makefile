@@ -1,4 +1,4 @@
-# The README's two commands: `make lab` (set up, then open JupyterLab on chapters/) and `make test`
+# The README's two commands: `make lab` (set up, then open JupyterLab on the project) and `make test`
 # (set up, then run every test and notebook). Everything installs into a project-local .venv.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.llmlab-installed
 PORT   ?= 8888
 
-.PHONY: setup lab test lint exercises doctor site busy-check clean
+.PHONY: setup lab test lint exercises doctor site busy-check flake clean
 
 setup: $(STAMP)
 
@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml tools/install-torch.sh
 	$(BIN)/python -m pip install -e '.[dev]'
 	touch $(STAMP)
 
+# JupyterLab rooted at the project (chapters/, exercises/, solutions/), opening START.ipynb, on localhost with a
+# token; as root (containers) it adds --allow-root and says so. tools/lab.py builds the command line.
 lab: $(STAMP)
-	$(BIN)/jupyter lab --notebook-dir=chapters --port=$(PORT)
+	$(BIN)/python tools/lab.py --port=$(PORT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
@@ -35,11 +37,17 @@ doctor: $(STAMP)
 site: $(STAMP)
 	$(BIN)/llmlab site --out site
 
-# every chapter built twice, quiet then beside 2 busy processes, into build/busy-check/; fails when a claim's verdict
-# changes other than to "inconclusive", a page shows an InvariantWarning or a frozen progress bar, or a chapter fails
-# or runs over 60 s quiet. Long, and it loads the machine: not part of `make test`.
+# every chapter built twice, quiet then beside 2 busy processes, into build/busy-check/; fails when the builds decide
+# a claim differently (neither reading "inconclusive"), a page shows an InvariantWarning or a frozen progress bar,
+# or a chapter fails or runs over 60 s quiet. Long, and it loads the machine: not part of `make test`.
 busy-check: $(STAMP)
 	$(BIN)/python tools/busy_check.py
+
+# every exercise check N times each way on fresh random inputs (the reference passes, a planted mistake is named),
+# tools/flake.py; prints runs and failures per check and chapter, fails on any. Not part of `make test`.
+N ?= 300
+flake: $(STAMP)
+	$(BIN)/python tools/flake.py -n $(N)
 
 clean:
 	rm -rf $(VENV) build dist site *.egg-info

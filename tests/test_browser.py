@@ -7,6 +7,15 @@ controls (arrow keys on a slider's focused handle, or a value typed into a numbe
 the widget's result text changed. A screenshot goes to test-artifacts/browser/<notebook>.png, also on failure.
 The cases are CASES below: one line per notebook; chapter 1 is skipped until chapters/01_compute.ipynb exists.
 
+A learner's first steps (test_learner_opens_an_exercise_from_the_file_browser): `make lab`'s first page is the
+landing notebook, START.ipynb; from the file browser, into exercises/, open the first exercise notebook, run its
+cells down to the first check (which says "not attempted yet"), type the answer in, and run it and the check again
+("passed").
+
+The server is started with `make lab`'s own command line (tools/lab.py: the project root, localhost, START.ipynb
+first, --allow-root as root) plus what a test needs (a free port, a known token, throw-away directories), and
+must refuse a request without the token.
+
 Flaky-proofing: every wait is on state (the app's kernel status, DOM elements, a promise's result), each bounded
 by a timeout; nothing sleeps. JupyterLab runs with throw-away config/data/runtime directories, so a user's
 settings, workspaces and kernels registered elsewhere don't interfere; the venv's lab extensions (ipywidgets')
@@ -27,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -34,14 +44,17 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("lab", ROOT / "tools" / "lab.py")  # `make lab`'s command line
+lab_tool = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(lab_tool)
 ARTIFACTS = ROOT / "test-artifacts" / "browser"
 CHROMIUM = os.environ.get("LLMLAB_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 # The flags this closed network needs (no background connections to Google's hosts), as root in a container.
@@ -183,13 +196,10 @@ class Lab:
         env.update(JUPYTER_RUNTIME_DIR=str(runtime), JUPYTER_PREFER_ENV_PATH="1", PYTHONUNBUFFERED="1")
         env.pop("JUPYTER_PATH", None)
         env.pop("JUPYTER_TOKEN", None)
-        command = [
-            sys.executable, "-m", "jupyterlab",
+        # port 0: the server binds a free port; its runtime file says which
+        command = lab_tool.command(port=0, uid=os.geteuid()) + [
             "--no-browser",
-            "--ServerApp.ip=127.0.0.1",
-            "--ServerApp.port=0",  # the server binds a free port; its runtime file says which
             "--ServerApp.port_retries=0",
-            f"--ServerApp.root_dir={ROOT}",
             f"--IdentityProvider.token={self.token}",
             "--ServerApp.password=",
             "--ServerApp.open_browser=False",
@@ -201,8 +211,6 @@ class Lab:
             f"--FileCheckpoints.checkpoint_dir={self.tmp / 'checkpoints'}",
             "--LabApp.check_for_updates_class=jupyterlab.handlers.announcements.NeverCheckForUpdate",
         ]  # fmt: skip
-        if os.geteuid() == 0:  # CI containers run as root; JupyterLab refuses that unless told
-            command.append("--allow-root")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -220,6 +228,7 @@ class Lab:
                 with contextlib.suppress(OSError):
                     if _get(self.api("api/status"))[0] == 200:
                         self._check_settings()
+                        self._check_token()
                         return
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=0.2)  # the poll interval: returns at once if the server exits
@@ -231,6 +240,15 @@ class Lab:
             served = json.loads(_get(self.api(f"lab/api/settings/{plugin}"))[1]).get("settings", {})
             if any(served.get(k) != v for k, v in values.items()):
                 raise RuntimeError(f"JupyterLab does not use the test's settings for {plugin}: {served}")
+
+    def _check_token(self) -> None:
+        """`make lab`'s server must answer nothing without the token (403)."""
+        try:
+            status = _get(f"{self.url}api/contents/exercises")[0]
+        except urllib.error.HTTPError as e:
+            status = e.code
+        if status != 403:
+            raise RuntimeError(f"JupyterLab answered {status} to a request without the token, not 403")
 
     def shutdown_kernels(self) -> None:
         """Shut down every session's kernel (the server stays up for the next case)."""
@@ -342,11 +360,13 @@ JS_KERNEL_SYNC = """async ([path, ms]) => {
     await Promise.race([done, late]);
     return true;
 }"""
-JS_RUN_ALL = """() => {
-    window.__llmlabRunAll = undefined;
-    window.jupyterapp.commands.execute('notebook:run-all-cells').then(
-        (ok) => { window.__llmlabRunAll = ok === false ? 'a cell failed' : 'done'; },
-        (error) => { window.__llmlabRunAll = 'error: ' + error; });
+JS_RUN = """(ids) => {
+    // JupyterLab commands in turn (the Run menu's); each one's promise settles when its cells have run
+    window.__llmlabRun = undefined;
+    (async () => {
+        for (const id of ids) if (await window.jupyterapp.commands.execute(id) === false) return 'a cell failed';
+        return 'done';
+    })().then((result) => { window.__llmlabRun = result; }, (error) => { window.__llmlabRun = 'error: ' + error; });
 }"""
 JS_ERROR_OUTPUTS = """() => {
     const panel = window.jupyterapp.shell.currentWidget;
@@ -394,16 +414,22 @@ def open_notebook(page, lab: Lab, path: str, expect):
     return notebook
 
 
-def run_all_cells(page, lab: Lab, path: str, timeout_s: float, expect) -> str:
-    """Run All Cells and wait until every cell has finished: 'done', 'a cell failed' or 'error: …'."""
-    page.evaluate(JS_RUN_ALL)
+def run_cells(page, lab: Lab, path: str, commands: list[str], timeout_s: float, expect) -> str:
+    """Run JupyterLab's run `commands` (e.g. notebook:run-all-cells) in turn on the notebook on show, and wait
+    until every cell they started has finished: 'done', 'a cell failed' or 'error: …'."""
+    page.evaluate(JS_RUN, commands)
     try:
-        page.wait_for_function("() => window.__llmlabRunAll !== undefined", timeout=timeout_s * 1000, polling=250)
+        page.wait_for_function("() => window.__llmlabRun !== undefined", timeout=timeout_s * 1000, polling=250)
     except Exception as e:
-        raise AssertionError(f"Run All Cells did not finish within {timeout_s} s" + _context(page, lab)) from e
+        raise AssertionError(f"{', '.join(commands)} did not finish within {timeout_s} s" + _context(page, lab)) from e
     expect(page.locator(NOTEBOOK + " .jp-InputPrompt", has_text="[*]")).to_have_count(0)
     page.wait_for_function(JS_KERNEL_IDLE, arg=path, timeout=KERNEL_IDLE_S * 1000)
-    return page.evaluate("() => window.__llmlabRunAll")
+    return page.evaluate("() => window.__llmlabRun")
+
+
+def run_all_cells(page, lab: Lab, path: str, timeout_s: float, expect) -> str:
+    """Run All Cells and wait until every cell has finished: 'done', 'a cell failed' or 'error: …'."""
+    return run_cells(page, lab, path, ["notebook:run-all-cells"], timeout_s, expect)
 
 
 def cell_errors(page) -> list[str]:
@@ -538,3 +564,94 @@ def test_errors_in_cells_are_caught(page, lab, sync_api):
     errors = cell_errors(page)
     assert any("ValueError: planted by the error fixture" in e for e in errors), errors
     assert any("ZeroDivisionError" in e and "Traceback" in e for e in errors), errors
+
+
+# the first exercise notebook a learner meets, and its first exercise's answer (the solution's code cell)
+EXERCISE = "exercises/01_compute.ipynb"
+JS_FIRST_CHECK = """() => {
+    // the index of the notebook's first check cell ("check.…(…)"), or -1
+    const cells = window.jupyterapp.shell.currentWidget.content.model.cells;
+    for (let i = 0; i < cells.length; i++) {
+        const cell = cells.get(i);
+        if (cell.type === 'code' && cell.sharedModel.getSource().trimStart().startsWith('check.')) return i;
+    }
+    return -1;
+}"""
+JS_SOURCE = "(i) => window.jupyterapp.shell.currentWidget.content.model.cells.get(i).sharedModel.getSource()"
+
+
+def _first_answer(solution: Path) -> str:
+    """The source of the solution notebook's first code cell with an answer region (`### BEGIN SOLUTION`)."""
+    sources = ["".join(c["source"]) for c in json.loads(solution.read_text(encoding="utf-8"))["cells"]
+               if c["cell_type"] == "code"]  # fmt: skip
+    return next(source for source in sources if "### BEGIN SOLUTION" in source)
+
+
+@pytest.mark.slow
+def test_learner_opens_an_exercise_from_the_file_browser(page, lab, sync_api):
+    """As a learner: `make lab`'s first page is START.ipynb with a link to every chapter and exercise notebook;
+    through the file browser, exercises/, then the first exercise notebook; run down to its first check ("not
+    attempted yet"); type the answer into the exercise cell; run it and the check again ("passed")."""
+    expect = sync_api.expect
+    before = {p: hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in (EXERCISE, lab_tool.LANDING)}
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    screenshot = ARTIFACTS / "learner_first_steps.png"
+    step = "open the server's first page"
+    try:
+        # 1. the server's root redirects to make lab's first page, the landing notebook with its links rendered
+        page.goto(f"{lab.url}?token={lab.token}", wait_until="domcontentloaded")
+        page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell", timeout=APP_LOAD_S * 1000)
+        page.evaluate("() => window.jupyterapp.restored")
+        landing = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-RenderedMarkdown"
+        expect(page.locator(landing).first).to_contain_text("start here", timeout=APP_LOAD_S * 1000)
+        links = re.findall(r"\]\(([^)\s]+\.ipynb)\)", (ROOT / lab_tool.LANDING).read_text(encoding="utf-8"))
+        expect(page.locator(landing + " a:not(.jp-InternalAnchorLink)")).to_have_count(len(links))  # not the ¶
+
+        # 2. the file browser: into exercises/ (double-click the folder), then open the notebook (double-click)
+        step = "open exercises/ in the file browser"
+        folder, name = EXERCISE.split("/")
+        def item(text: str):  # a file browser row by its exact name (a row also shows the file's age)
+            named = page.locator(".jp-DirListing-itemText", has_text=re.compile(rf"^{re.escape(text)}$"))
+            return page.locator("#filebrowser .jp-DirListing-item").filter(has=named)
+
+        item(folder).dblclick()
+        expect(page.locator("#filebrowser .jp-BreadCrumbs")).to_contain_text(folder)
+        step = f"open {name} from the file browser"
+        item(name).dblclick()
+        page.wait_for_function(JS_KERNEL_IDLE, arg=EXERCISE, timeout=KERNEL_IDLE_S * 1000)
+        notebook = page.locator(NOTEBOOK)
+
+        # 3. select the first check cell; run every cell above it, then it: it reports "not attempted yet"
+        step = "run down to the first check"
+        index = page.evaluate(JS_FIRST_CHECK)
+        assert index > 0, f"{EXERCISE} has no check cell"
+        check_cell, answer_cell = notebook.locator(".jp-Cell").nth(index), notebook.locator(".jp-Cell").nth(index - 1)
+        check_cell.locator(".jp-InputPrompt").click()
+        assert run_cells(page, lab, EXERCISE, ["notebook:run-all-above"], 60, expect) == "done", _context(page, lab)
+        check_cell.locator(".jp-InputPrompt").click()
+        assert run_cells(page, lab, EXERCISE, ["notebook:run-cell"], 60, expect) == "done", _context(page, lab)
+        verdict = check_cell.locator(".jp-OutputArea-output")
+        expect(verdict).to_contain_text(re.compile(r"Exercise \d+\.\d+ .*not attempted yet"))
+
+        # 4. type the answer into the exercise cell (replacing its raise line), run it and the check: "passed"
+        step = "type the answer in and run the check again"
+        answer = _first_answer(ROOT / "solutions" / name)
+        assert page.evaluate(JS_SOURCE, index - 1).splitlines()[0] == answer.splitlines()[0]  # the same def line
+        answer_cell.locator(".cm-content").click()
+        page.keyboard.press("ControlOrMeta+a")
+        page.keyboard.insert_text(answer)  # as pasted: no auto-indent or bracket closing on the way in
+        typed = f"([i, text]) => ({JS_SOURCE})(i) === text"  # the cell's model holds exactly the answer
+        page.wait_for_function(typed, arg=[index - 1, answer], timeout=RESULT_CHANGE_S * 1000)
+        page.keyboard.press("Escape")
+        commands = ["notebook:run-cell-and-select-next", "notebook:run-cell"]  # the answer, then the check
+        assert run_cells(page, lab, EXERCISE, commands, 60, expect) == "done", _context(page, lab)
+        expect(verdict).to_contain_text(re.compile(r"Exercise \d+\.\d+ .*: passed"))
+        print(f"{EXERCISE}: {verdict.inner_text().strip()}")
+    except (AssertionError, sync_api.TimeoutError) as e:
+        message = str(e) if "server log (end)" in str(e) else f"{e}{_context(page, lab)}"
+        raise AssertionError(f"failed at step '{step}':\n{message}") from None
+    finally:
+        with contextlib.suppress(Exception):
+            page.screenshot(path=str(screenshot))
+    # nothing was saved: the exercise and the landing page are as they were (autosave is off in the lab's settings)
+    assert before == {p: hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in before}
