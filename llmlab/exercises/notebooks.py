@@ -176,13 +176,20 @@ def exercise_text(solution: Path) -> str:
     return nbformat.writes(generated) + "\n"
 
 
-def build(root: Path) -> list[Path]:
+def build(root: Path, force: bool = False) -> list[Path]:
     """Write exercises/NN_topic.ipynb for every solutions/NN_topic.ipynb under `root`; return the paths.
 
-    Every solution is converted before anything is written, so a bad solution leaves exercises/ as it was.
+    Every solution is converted before anything is written, so a bad solution leaves exercises/ as it was. An
+    exercise notebook edited since it was built (its fingerprint no longer matches: a learner's work, saved by
+    JupyterLab) is not overwritten: NotebookError names every such file, and nothing is written, unless `force`.
     """
     root = Path(root)
     texts = {root / "exercises" / path.name: exercise_text(path) for path in _solutions(root)}
+    edited = [path for path, text in texts.items() if path.is_file() and path.read_bytes() != text.encode("utf-8")
+              and _why_different(path, path.name).startswith("hand-edited")]
+    if edited and not force:
+        raise NotebookError(f"{', '.join(map(str, edited))}: edited since it was built (a learner's work?); not "
+                            "overwritten: move it away first, or pass --force to replace it")
     (root / "exercises").mkdir(exist_ok=True)
     for path, text in texts.items():
         path.write_bytes(text.encode("utf-8"))
