@@ -40,11 +40,10 @@ from nbconvert import HTMLExporter
 
 from llmlab import runtime, timing
 from llmlab.exercises.grade import cell_errors, execute
-from llmlab.exercises.notebooks import read_notebook
+from llmlab.exercises.notebooks import read_notebook, title
 
 __all__ = ["KERNEL_ENV", "Page", "build_page", "build", "write_index", "frozen_bars"]
 
-_TITLE = re.compile(r"^#\s+(.+?)\s*$", re.M)
 # tqdm's bar: "desc:  40%|████      | 2/5 [00:01<00:01,  1.9it/s]" (percentage, bar, count/total)
 _BAR = re.compile(r"(\d{1,3})%\|[^|\n]*\|\s*(\d+)/(\d+)\b")
 _WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -61,13 +60,6 @@ class Page:
     seconds: float
     load: timing.Load  # the busier of the machine's loads before and after the chapter ran
     problem: str = ""  # the first cell error, or why the run stopped; empty when every cell ran cleanly
-
-
-def _title(nb, fallback: str) -> str:
-    for cell in nb.cells:
-        if cell.cell_type == "markdown" and (m := _TITLE.search(cell.source)):
-            return m[1]
-    return fallback
 
 
 def _problem(nb, stop) -> str:
@@ -118,7 +110,7 @@ def build_page(notebook: str | os.PathLike, out: str | os.PathLike, timeout: flo
     seconds, load = time.monotonic() - started, load.busier(timing.Load.now())
     _drop_progress_widgets(nb)
     body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
-    page = Page(notebook, Path(out) / f"{notebook.stem}.html", _title(nb, notebook.stem), seconds, load,
+    page = Page(notebook, Path(out) / f"{notebook.stem}.html", title(nb, notebook.stem), seconds, load,
                 _problem(nb, stop))
     _write_atomically(page.html, body)
     return page

@@ -16,20 +16,17 @@ the Python kernel, which JupyterLab starts silently when it opens the page (with
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 from urllib.parse import quote
 
 import nbformat
 
-from llmlab.exercises.notebooks import cell_exercises, read_notebook
+from llmlab.exercises.notebooks import cell_exercises, read_notebook, title
 
 ROOT = Path(__file__).resolve().parents[1]
 LANDING = "START.ipynb"  # relative to the root: the page tools/lab.py opens (its LANDING)
 FOLDERS = ("chapters", "exercises")
-# a page's title: its first "# " heading, the rule of llmlab.site's pages (not imported: it loads nbconvert and torch)
-_TITLE = re.compile(r"^#\s+(.+?)\s*$", re.M)
 
 INTRO = """\
 # llmlab — start here
@@ -56,11 +53,6 @@ def _md(text: str) -> str:
     return text
 
 
-def _title(nb, fallback: str) -> str:
-    found = (m[1] for cell in nb.cells if cell.cell_type == "markdown" for m in [_TITLE.search(cell.source)] if m)
-    return next(found, fallback)
-
-
 def _link(text: str, path: str) -> str:
     return f"[{_md(text)}]({quote(path)})"
 
@@ -69,7 +61,7 @@ def _row(root: Path, name: str) -> str:
     chapter, exercises = (root / folder / name for folder in FOLDERS)
     cells = []
     if chapter.exists():
-        cells.append(_link(_title(read_notebook(chapter), chapter.stem), f"chapters/{name}"))
+        cells.append(_link(title(read_notebook(chapter), chapter.stem), f"chapters/{name}"))
     else:
         cells.append("—")
     if exercises.exists():

@@ -68,6 +68,7 @@ BEGIN_STARTER, END_STARTER = "### BEGIN STARTER", "### END STARTER"
 _MARKERS = (BEGIN, END, BEGIN_STARTER, END_STARTER)
 _LOOKS_LIKE_MARKER = re.compile(r"#+\s*(BEGIN|END)\s+(SOLUTION|STARTER)\b", re.IGNORECASE)
 _FIX_STARTER = "  # delete this line, then fix the code below"
+_TITLE = re.compile(r"^#\s+(.+?)\s*$", re.M)
 _HEADING = re.compile(r"^#{1,6}\s+Exercise\s+(\d+(?:\.\d+)+)\b[\s:.—–-]*(.*?)\s*$", re.MULTILINE)
 
 
@@ -114,6 +115,14 @@ def read_notebook(path: Path) -> nbformat.NotebookNode:
     except nbformat.ValidationError as e:
         raise NotebookError(f"{path}: not a valid notebook: {_shorten(e.message, 200)}") from None
     return nb
+
+
+def title(nb: nbformat.NotebookNode, fallback: str) -> str:
+    """The notebook's title: its first level-1 Markdown heading ("# ..."), or `fallback` when it has none."""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and (m := _TITLE.search(cell.source)):
+            return m[1]
+    return fallback
 
 
 def cell_exercises(nb: nbformat.NotebookNode) -> list[Exercise | None]:
