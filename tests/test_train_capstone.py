@@ -16,7 +16,7 @@ import torch
 from llmlab import dist
 from llmlab.model import GPTConfig
 from llmlab.train import state as state_file
-from llmlab.train.capstone import RULES, RunConfig, build_parser, check, launch, main, run_rank
+from llmlab.train.capstone import RULES, RunConfig, build_parser, check, checkpoints, launch, main, run_rank
 from llmlab.train.capstone.config import Setup
 
 BASE = RunConfig(steps=4, batch_size=8, block_size=32)  # the tiny GPT on 8×32 tokens: ~0.1 s an update
@@ -160,7 +160,7 @@ def test_resume_continues_bit_exactly_on_the_same_layout(singles, two_ranks, sav
     zero2_resumed, zero3_resumed = two_ranks[1][-2:]
     assert zero2_resumed["losses"] == two_ranks[0]["zero2"]["losses"]
     assert zero3_resumed["losses"] == two_ranks[0]["zero3"]["losses"]
-    manifest = state_file.read_state(f"{saves['zero2']}/manifest.pt")
+    manifest = state_file.read_state(checkpoints.resolve(saves["zero2"]) / "manifest.pt")
     assert manifest["step"] == STOP and manifest["layout"] == dict(world_size=2, dp=2, tp=1, zero=2)
 
 
@@ -180,12 +180,12 @@ def test_resume_refusals_happen_before_any_rank_starts(two_ranks, saves, tmp_pat
         launch(replace(TWO["zero2"][0], zero=1, nproc=4, resume=saves["zero2"]))
     with pytest.raises(ValueError, match=r"other flags \(--lora: saved 0, here 4\)"):
         launch(replace(TWO["zero2"][0], lora=4, nproc=2, resume=saves["zero2"]))
-    with pytest.raises(ValueError, match="no manifest.pt"):
+    with pytest.raises(ValueError, match="no complete checkpoint there"):
         launch(replace(BASE, resume=str(tmp_path)))
     cut = tmp_path / "cut"
     shutil.copytree(saves["zero2"], cut)
-    data = (cut / "manifest.pt").read_bytes()
-    (cut / "manifest.pt").write_bytes(data[:-10])
+    file = checkpoints.resolve(cut) / "manifest.pt"
+    file.write_bytes(file.read_bytes()[:-10])
     with pytest.raises(ValueError, match="truncated"):
         launch(replace(TWO["zero2"][0], nproc=2, resume=str(cut)))
 
@@ -193,8 +193,9 @@ def test_resume_refusals_happen_before_any_rank_starts(two_ranks, saves, tmp_pat
 def test_truncated_rank_file_is_refused(singles, saves, tmp_path, one_thread):
     cut = tmp_path / "cut"
     shutil.copytree(saves["single"], cut)
-    data = (cut / "rank0.pt").read_bytes()
-    (cut / "rank0.pt").write_bytes(data[: len(data) // 2])
+    file = checkpoints.resolve(cut) / "rank0.pt"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="rank0.pt is truncated"):
         launch(replace(BASE, resume=str(cut)))
 
@@ -215,6 +216,9 @@ RULE_CASES = [
     (replace(BASE, lora=4, quant="w4a8"), 1, "--lora with --quant"),
     (replace(BASE, moe=4, checkpoint=True), 1, "--moe with --checkpoint"),
     (replace(BASE, moe=1), 1, "--moe 1"),
+    (replace(BASE, save_every=2), 1, "--save-every 2 without --save DIR"),
+    (replace(BASE, overwrite=True), 1, "--overwrite without --save DIR"),
+    (replace(BASE, timeout=0.0), 1, r"--timeout 0.0 must be a finite number of seconds > 0"),
 ]
 FLAG_CASES = [  # one flag alone, from its field's metadata (low, choices)
     (replace(BASE, accum=0), 1, "--accum 0 must be an int >= 1"),
@@ -253,8 +257,8 @@ def test_every_flag_comes_from_a_runconfig_field():
         assert action.option_strings == ["--" + f.name.replace("_", "-")]
         assert action.default == f.default and action.help == f.metadata["help"]
     assert RunConfig.from_args(build_parser().parse_args([])) == RunConfig()
-    assert set(RunConfig().flags()) == {f.name for f in fields(RunConfig)} - {"nproc", "save", "resume", "stop_at",
-                                                                              "timeout"}
+    assert set(RunConfig().flags()) == {f.name for f in fields(RunConfig)} - {
+        "nproc", "save", "save_every", "keep", "overwrite", "resume", "stop_at", "timeout"}
 
 
 def test_nproc_under_torchrun_is_refused(monkeypatch, capsys):

@@ -112,6 +112,7 @@ TRAIN_PRESETS = {
 }
 
 _RESUME_EXEMPT = ("log_interval",)  # config fields that may differ when resuming: they do not change training
+_STATE_KEYS = {"identity", "step", "model", "optimizer", "scaler", "rng", "data", "history"}  # state_dict()'s
 
 
 class Trainer:
@@ -299,14 +300,26 @@ class Trainer:
 
     def load_state_dict(self, saved: dict, source="the saved state") -> None:
         """Continue from `state_dict()`'s `saved` (read from `source`, named in errors): refuses (ValueError) one
-        saved by a run with another config, model shape or schedule, then restores every part of it."""
+        saved by a run with another config, model shape or schedule, or one whose parts are malformed (forged or
+        from another program), then restores every part of it."""
         mine = self._identity()
+        if not (isinstance(saved, dict) and _STATE_KEYS <= set(saved) and isinstance(saved["identity"], dict)
+                and set(mine) <= set(saved["identity"])):
+            found = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            raise ValueError(f"{source} is not a Trainer state (it holds {found}; expected {sorted(_STATE_KEYS)}, "
+                             f"identity with {sorted(mine)})")
+        if type(saved["step"]) is not int or not 0 <= saved["step"] <= self.config.steps \
+                or not isinstance(saved["history"], list):
+            raise ValueError(f"{source} holds step {saved['step']!r} (an update count 0..{self.config.steps} "
+                             f"expected) or a history of type {type(saved['history']).__name__} (a list expected)")
         for key, label in (("config", "TrainConfig"), ("model_config", "model config"),
                            ("parameters", "parameter names/shapes"), ("schedule", "LR schedule")):
             theirs, ours = saved["identity"][key], mine[key]
-            if key == "config":
+            if key == "config" and isinstance(theirs, dict):
                 theirs = {k: v for k, v in theirs.items() if k not in _RESUME_EXEMPT}
                 ours = {k: v for k, v in ours.items() if k not in _RESUME_EXEMPT}
+            if theirs != ours and not isinstance(theirs, dict | type(None)):
+                raise ValueError(f"{source} holds a {label} of type {type(theirs).__name__}, not a dict")
             if theirs != ours:
                 diff = sorted(k for k in set(theirs or {}) | set(ours or {})
                               if (theirs or {}).get(k) != (ours or {}).get(k))
@@ -314,12 +327,15 @@ class Trainer:
                                   for k in diff[:4])
                 raise ValueError(f"{source} was saved by a run with a different {label} ({shown}); "
                                  "build the trainer with the saved run's settings to resume it")
-        self.load_model_state(saved["model"])
-        self.optimizer.load_state_dict(saved["optimizer"])
-        if self.scaler:
-            self.scaler.load_state_dict(saved["scaler"])
-        self.dataset.load_state_dict(saved["data"])
-        state_file.set_rng_state(saved["rng"])
+        parts = {"model": self.load_model_state, "optimizer": self.optimizer.load_state_dict,
+                 **({"scaler": self.scaler.load_state_dict} if self.scaler else {}),
+                 "data": self.dataset.load_state_dict, "rng": state_file.set_rng_state}
+        for part, restore in parts.items():
+            try:
+                restore(saved[part])
+            except (KeyError, IndexError, TypeError, AttributeError, RuntimeError) as e:  # a malformed part's errors
+                raise ValueError(f"{source} holds a malformed {part} state ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else ''})") from e
         self.step_count, self.history = saved["step"], list(saved["history"])
 
     @classmethod

@@ -1,7 +1,8 @@
 """`Capstone`: the Trainer with the flags' parts composed in through its override points, on one rank of a
 `llmlab.dist.Grid` (or alone): the model surgery and ZeRO of `parts`, checkpointing and activation compression
-around the loss, the MoE balance loss, clipping by the global norm over shards, and the sharded save folder of
-`saves`. Build it on every rank (`run_rank` does)."""
+around the loss, the MoE balance loss, clipping by the global norm over shards, the sharded checkpoints of `saves`
+(every --save-every updates), and a heartbeat after each update for the hang detector. Build it on every rank
+(`run_rank` does)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import contextlib
 import torch
 import torch.distributed as td
 
+from llmlab import dist
 from llmlab.memory.checkpoint import checkpointed
 from llmlab.memory.compress import compressed_activations
 from llmlab.memory.zero import ZeRO
@@ -25,8 +27,10 @@ __all__ = ["Capstone"]
 class Capstone(Trainer):
     """Train per `run` on this rank of `grid` (a llmlab.dist.Grid of dp × tp ranks; None: one process alone)."""
 
-    def __init__(self, run: RunConfig, grid=None, monitor=None):
-        self.run, self.grid = run, grid
+    def __init__(self, run: RunConfig, grid=None, monitor=None, heartbeat=dist.heartbeat):
+        self.run, self.grid, self.heartbeat = run, grid, heartbeat
+        self.start_step, self.saved_step = 0, None  # the update this run started from; the last one saved
+        self.replacing = None  # the checkpoints in --save DIR this run replaces (saves.save decides at its first)
         self.tp = grid.tp if grid is not None else 1
         self.tp_group = grid.tp_group if self.tp > 1 else None
         self.global_rank = td.get_rank() if grid is not None else 0
@@ -49,6 +53,14 @@ class Capstone(Trainer):
         if self.run.zero:
             return ZeROOptimizer(self.model)
         return super().build_optimizer(params)
+
+    def step(self) -> dict:
+        """The Trainer's update; then the checkpoint every --save-every updates, and a heartbeat."""
+        metrics = super().step()
+        if self.run.save_every and self.step_count % self.run.save_every == 0:
+            self.save(self.run.save)
+        self.heartbeat()
+        return metrics
 
     def loss(self, x, y):
         with contextlib.ExitStack() as stack:
@@ -98,10 +110,13 @@ class Capstone(Trainer):
             raise ValueError(f"unexpected entries {unexpected[:4]} in the saved model state")
 
     def save(self, path) -> None:
-        """Write DIR/rank{r}.pt on every rank, then DIR/manifest.pt (see llmlab.train.capstone.saves)."""
+        """Save the checkpoint DIR/step-N (every rank's file, then the manifest; see llmlab.train.capstone.saves
+        and .checkpoints)."""
         saves.save(self, path)
+        self.saved_step = self.step_count
 
     def load_state(self, path) -> None:
-        """Continue from `save(path)`: the same layout bit-exactly; another data-parallel size re-shards
-        (data parallel and ZeRO); anything else, or a truncated/mismatched file, is refused (ValueError)."""
+        """Continue from the newest complete checkpoint in DIR (or DIR/step-N): the same layout bit-exactly;
+        another data-parallel size re-shards (data parallel and ZeRO); anything else, or a truncated, forged or
+        mismatched file, is refused (ValueError)."""
         saves.load(self, path)

@@ -10,6 +10,7 @@ starts.
 from __future__ import annotations
 
 import argparse
+import math
 import types
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -52,10 +53,17 @@ class RunConfig:
     quant: str | None = _flag(None, "fake-quantized training", choices=QUANTS)
     batch_size: int | None = _flag(None, "global micro-batch rows (default: the preset's)", low=1)
     block_size: int | None = _flag(None, "tokens per row (default: the preset's)", low=1)
-    save: str | None = _flag(None, "write the sharded state to DIR at the end", metavar="DIR", training=False)
-    resume: str | None = _flag(None, "continue from DIR (a --save folder)", metavar="DIR", training=False)
+    save: str | None = _flag(None, "save checkpoints in DIR (DIR/step-N/, one per save; always at the end)",
+                             metavar="DIR", training=False)
+    save_every: int | None = _flag(None, "also save every N updates", low=1, metavar="N", training=False)
+    keep: int = _flag(2, "keep the K newest checkpoints in DIR", low=1, metavar="K", training=False)
+    overwrite: bool = _flag(False, "--save into a DIR holding another run, or this run further on: replace it",
+                            training=False)
+    resume: str | None = _flag(None, "continue from the newest complete checkpoint in DIR (or from DIR/step-N)",
+                               metavar="DIR", training=False)
     stop_at: int | None = _flag(None, "stop (and --save) after update K", low=1, metavar="K", training=False)
-    timeout: float = _flag(600.0, "seconds the spawned ranks may take (--nproc)", training=False)
+    timeout: float = _flag(600.0, "hang detector: fail, with every rank's stack, when no update finished for T "
+                                  "seconds", metavar="T", training=False)
 
     def train_config(self) -> TrainConfig:
         base = TRAIN_PRESETS[self.preset]
@@ -157,6 +165,10 @@ RULES: tuple[Rule, ...] = tuple(Rule(*row) for row in (
     (lambda s: s.run.moe and s.run.checkpoint, "--moe with --checkpoint: the MoE balance loss is a side output that "
                                                "checkpointing (which keeps only the block's output) would detach"),
     (lambda s: s.run.moe == 1, "--moe 1: top-2 routing needs at least 2 experts"),
+    (lambda s: s.run.save_every and not s.run.save, "--save-every {save_every} without --save DIR: nowhere to save"),
+    (lambda s: s.run.overwrite and not s.run.save, "--overwrite without --save DIR: nothing to overwrite"),
+    (lambda s: not (s.run.timeout > 0 and math.isfinite(s.run.timeout)),
+     "--timeout {timeout} must be a finite number of seconds > 0 (the longest an update may take)"),
 ))
 
 
