@@ -4,7 +4,12 @@
     dist.spawn(fn, 4)                  # run fn on 4 fresh ranks, get 4 results
     with dist.Cluster(4) as c:         # ranks kept alive between calls
         c.run(fn)
+    dist.spawn(train, 4, timeout=None, stall_timeout=600)   # no limit on length; RankHang if a rank stalls
+    dist.heartbeat()                   # on a rank, after each step (a no-op elsewhere)
     dist.init_from_env()               # inside a script started by torchrun
+
+Failures name their rank: `RankError` (an exception), `RankCrashed` (a dead process, even when its peers then lose
+their connections), `RankHang` (no heartbeat for stall_timeout), each with a one-line `headline`.
 
 On the ranks: the process grid (`Grid(dp=, tp=, pp=)`, built once on every rank: this rank's coordinates and
 its data-, tensor- and pipeline-parallel groups), collectives built from point-to-point messages (`collectives`:
@@ -15,7 +20,9 @@ bytes they move (`CommLog`), their α-β cost model (`cost`) and overlap of comm
 
 import importlib
 
-from llmlab.dist.launcher import Cluster, RankCrashed, RankError, spawn
+from llmlab.dist.failures import RankCrashed, RankError, RankHang
+from llmlab.dist.launcher import Cluster, spawn
+from llmlab.dist.progress import heartbeat
 from llmlab.dist.torchrun import init_from_env
 
 _LAZY = {name: "llmlab.dist.collectives" for name in ("ring_all_reduce", "tree_all_reduce", "ring_reduce_scatter",
@@ -24,7 +31,7 @@ _LAZY = {name: "llmlab.dist.collectives" for name in ("ring_all_reduce", "tree_a
 _LAZY["CommLog"] = "llmlab.dist.commlog"
 _LAZY["Grid"] = "llmlab.dist.grid"
 
-__all__ = ["Cluster", "RankCrashed", "RankError", "spawn", "init_from_env", *_LAZY]
+__all__ = ["Cluster", "RankCrashed", "RankError", "RankHang", "spawn", "heartbeat", "init_from_env", *_LAZY]
 
 
 def __getattr__(name):

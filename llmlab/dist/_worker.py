@@ -1,36 +1,48 @@
 """One rank of a `llmlab.dist.Cluster`: joins the process group, then runs the functions it is sent.
 
 Started by the launcher as `python -u -m llmlab.dist._worker` with one end of a private socket pair in
-LLMLAB_WORKER_FD; never run by hand. The protocol, over a multiprocessing Connection:
+LLMLAB_WORKER_FD, as the leader of its own session and process group; never run by hand. The protocol, over a
+multiprocessing Connection:
 
-    parent → worker   {"rank", "world_size", "store_port", "backend", "sys_path", "stack_file", ...}
+    parent → worker   {"rank", "world_size", "store_port", "backend", "sys_path", "stack_fd", "progress_fd", ...}
     worker → parent   ("ready", pid)               or ("failed", traceback) when joining failed
     parent → worker   ("run", cloudpickled (fn, args))
     worker → parent   ("ok", cloudpickled result)  or ("err", pickled exception or None, type, message, tb)
     parent → worker   ("close",)
+
+When the caller dies (even by SIGKILL, whichever of its threads started the rank), its end of the socket closes:
+a watcher thread sees the hang-up and SIGKILLs this rank's process group — the rank and every process it started
+that stayed in its group. (PR_SET_PDEATHSIG would fire when the *thread* that started the rank ends, and would kill
+the rank alone, orphaning its children.) The rank's stack file and progress counters are unlinked files the caller
+passes as descriptors, so nothing is left on disk.
 """
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import os
+import select
 import signal
 import sys
+import threading
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
 import cloudpickle
 
+from llmlab.dist import progress
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL this rank when the launcher dies, even while it is stuck in a C call."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+
+def _exit_with_caller(conn: Connection) -> None:
+    """SIGKILL this rank's process group (itself and its children) as soon as the caller's end of `conn` closes."""
+    def watch():
+        hangup = select.poll()
+        hangup.register(conn.fileno(), getattr(select, "POLLRDHUP", 0))  # POLLHUP and POLLERR come regardless
+        hangup.poll()
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-caller").start()
 
 
 def _join(boot: dict):
@@ -65,12 +77,11 @@ def _error_message(exc: BaseException):
 
 def main() -> None:
     conn = Connection(int(os.environ["LLMLAB_WORKER_FD"]))
+    _exit_with_caller(conn)
     boot = conn.recv()
-    if boot["die_with_parent"]:
-        _die_with_parent(boot["parent_pid"])
     sys.path[:0] = [p for p in boot["sys_path"] if p not in sys.path]
-    stack_file = open(boot["stack_file"], "w")  # noqa: SIM115 - kept open for faulthandler
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=boot["stack_fd"], all_threads=True)
+    progress.attach(boot["progress_fd"], boot["rank"])
     try:
         dist = _join(boot)
     except BaseException:

@@ -18,68 +18,48 @@ safe) joined into one process group (gloo on CPU, NCCL with one GPU per rank) th
 caller hosts on a port the OS picks, so two launches never collide. The function and its arguments travel by
 value with cloudpickle: a function defined in a notebook cell works.
 
-Failures come back to the caller, never as a hang:
+Failures come back to the caller, never as a hang (the classes are in `failures`):
 - an exception on a rank is raised as `RankError` carrying the rank, the original exception and its traceback;
-- a rank killed by a signal (or exiting) is raised as `RankCrashed`, naming the signal;
-- a call that does not finish within `timeout` seconds raises `TimeoutError` showing every rank's Python stack
-  at that moment (faulthandler, so a rank blocked inside a C call such as gloo's recv still shows it).
+- a rank whose process dies (exits, or is killed: SIGKILL is the out-of-memory killer's signal) is raised as
+  `RankCrashed` naming it, even when its peers then fail with "Connection reset by peer": after the first failure
+  the caller waits a short grace for the others and reports the root cause first (`failures.root_cause`);
+- a call that does not finish within `timeout` seconds raises `TimeoutError`, and with `stall_timeout=T` a rank that
+  neither returns nor calls `dist.heartbeat()` for T seconds raises `RankHang` (a TimeoutError); both show every
+  rank's Python stack at that moment (faulthandler, so a rank blocked inside a C call such as gloo's recv shows it).
 After a failure that leaves ranks stuck, the cluster stops them; its next `run` starts fresh ranks.
+
+No process or file is left behind: each rank leads its own process group, and stopping a rank SIGKILLs the group,
+so processes the rank started go with it (a child that leaves the group with setsid() or setpgid() is not
+followed); a rank kills its group when the caller's end of its socket closes, so a caller that dies — even by
+SIGKILL, even when a Cluster was started from another thread — takes its ranks along; the ranks' stack and progress
+files are unlinked temporary files shared by descriptor, so nothing is left on disk after a kill.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 import weakref
-from collections import deque
 from datetime import timedelta
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 
 from llmlab import runtime, validation
+from llmlab.dist import progress
+from llmlab.dist.failures import RankCrashed, RankError, RankHang, is_connection_error, root_cause
+from llmlab.dist.processes import RankProcess, stop
 
-__all__ = ["Cluster", "spawn", "RankError", "RankCrashed"]
+__all__ = ["Cluster", "spawn", "RankError", "RankCrashed", "RankHang"]
 
 _GRACE_S = 3.0  # how long the other ranks get to finish after one rank failed
-_STACK_WAIT_S = 2.0  # how long a rank gets to write its stack after SIGUSR1
+_TICK_S = 0.25  # how often a waiting caller looks at the ranks' processes and progress counters
 
 
-class RankError(RuntimeError):
-    """An exception raised on one rank, re-raised in the caller.
-
-    Attributes: `rank`, `exc_type` (class name), `exception` (the original exception object, or None when
-    it could not be pickled back), `remote_traceback` (the rank's formatted traceback).
-    """
-
-    def __init__(self, rank, world_size, exc_type, message, remote_traceback, exception=None, note="",
-                 headline=None):
-        self.rank, self.world_size = rank, world_size
-        self.exc_type, self.exception, self.remote_traceback = exc_type, exception, remote_traceback
-        text = headline or f"rank {rank} of {world_size} raised {exc_type}: {message}"
-        if note:
-            text += f"\n{note}"
-        super().__init__(f"{text}\n\n--- traceback on rank {rank} ---\n{remote_traceback.rstrip()}")
-
-
-class RankCrashed(RankError):
-    """A rank's process died (killed by a signal, or exited) before returning; `signal` is its number."""
-
-    def __init__(self, rank, world_size, returncode, output_tail, note=""):
-        self.returncode = returncode
-        self.signal = -returncode if returncode is not None and returncode < 0 else None
-        if self.signal is not None:
-            how = f"killed by signal {signal.Signals(self.signal).name} ({self.signal})"
-        else:
-            how = f"exited with code {returncode}"
-        super().__init__(rank, world_size, "RankCrashed", how, f"last output of rank {rank}:\n"
-                         f"{output_tail or '(none)'}", note=note,
-                         headline=f"rank {rank} of {world_size} crashed: its process was {how}")
+def _seconds(name: str, value) -> float | None:
+    """A time limit: None (no limit) or a positive number of seconds."""
+    return None if value is None else float(validation.positive(name, value, hint="(seconds, or None: no limit)"))
 
 
 def _check_env(env) -> dict[str, str]:
@@ -112,82 +92,6 @@ def _pack(fn, args) -> bytes:
     return cloudpickle.dumps((fn, tuple(args)))
 
 
-class _Rank:
-    """The caller's handle on one rank process: its connection, output and stack file."""
-
-    def __init__(self, rank: int, boot: dict, env: dict):
-        here, there = socket.socketpair()
-        env = dict(env, LLMLAB_WORKER_FD=str(there.fileno()))
-        self.rank = rank
-        self.output = deque(maxlen=40)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "llmlab.dist._worker"], env=env, pass_fds=[there.fileno()],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True)
-        there.close()
-        self.conn = Connection(here.detach())
-        self.conn.send(boot)
-        self.stack_file = boot["stack_file"]
-        self._reader = threading.Thread(target=self._forward_output, daemon=True, name=f"rank{rank}-out")
-        self._reader.start()
-
-    def _forward_output(self):
-        """Print the rank's stdout/stderr in the caller (a notebook cell shows it), prefixed by its rank."""
-        for raw in iter(self.proc.stdout.readline, b""):
-            line = raw.decode(errors="replace").rstrip("\n")
-            self.output.append(line)
-            print(f"[rank {self.rank}] {line}", file=sys.stdout, flush=True)
-
-    def tail(self) -> str:
-        self._reader.join(timeout=1.0)
-        return "\n".join(self.output)
-
-    def returncode(self, wait_s: float = 2.0):
-        try:
-            return self.proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def dump_stack(self) -> str:
-        """Ask the rank (via SIGUSR1 → faulthandler) where its Python threads are, and read the answer."""
-        if self.proc.poll() is not None:
-            return f"(process already ended with code {self.proc.returncode})"
-        size0 = os.path.getsize(self.stack_file)
-        self.proc.send_signal(signal.SIGUSR1)
-        deadline, last = time.monotonic() + _STACK_WAIT_S, -1
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-            size = os.path.getsize(self.stack_file)
-            if size > size0 and size == last:  # written and no longer growing
-                break
-            last = size
-        with open(self.stack_file) as f:
-            f.seek(size0)
-            return f.read().rstrip() or "(no stack written)"
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.conn.close()
-        self._reader.join(timeout=1.0)
-
-
-def _stop(ranks: list[_Rank], polite: bool) -> None:
-    """End every rank and reap it: ask them to close first when `polite`, kill what remains."""
-    if polite:
-        for r in ranks:
-            try:
-                r.conn.send(("close",))
-            except OSError:
-                pass
-        deadline = time.monotonic() + 5.0
-        for r in ranks:
-            r.returncode(max(0.0, deadline - time.monotonic()))
-    for r in ranks:
-        r.kill()
-
-
 class Cluster:
     """`world_size` ranks that stay alive between calls (`run`), so a notebook pays process start once.
 
@@ -204,9 +108,9 @@ class Cluster:
         validation.one_of("backend", self.backend, ("gloo", "nccl"))
         self.start_timeout = float(validation.positive("start_timeout", start_timeout, hint="(seconds)"))
         self.threads_per_rank = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-        self._ranks: list[_Rank] = []
+        self._ranks: list[RankProcess] = []
         self._store = None
-        self._tmp = None
+        self._progress: progress.Counters | None = None
         self._finalizer = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------
@@ -224,21 +128,16 @@ class Cluster:
 
         self._store = td.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=self.start_timeout),
                                   wait_for_workers=False)
-        self._tmp = tempfile.TemporaryDirectory(prefix="llmlab-cluster-")
+        self._progress = progress.Counters(self.world_size)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(self.threads_per_rank), **self.env}
         if sys.platform.startswith("linux"):
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine
-        sys_path = [p or os.getcwd() for p in sys.path]
-        main_thread = threading.current_thread() is threading.main_thread()
+        boot = dict(world_size=self.world_size, store_port=self._store.port, backend=self.backend,
+                    sys_path=[p or os.getcwd() for p in sys.path], threads=self.threads_per_rank,
+                    progress_fd=self._progress.fd, start_timeout=self.start_timeout, pg_timeout=1800.0)
         for rank in range(self.world_size):
-            boot = dict(rank=rank, world_size=self.world_size, store_port=self._store.port,
-                        backend=self.backend, sys_path=sys_path, threads=self.threads_per_rank,
-                        stack_file=os.path.join(self._tmp.name, f"stack-{rank}.txt"),
-                        start_timeout=self.start_timeout, pg_timeout=1800.0,
-                        parent_pid=os.getpid(), die_with_parent=main_thread)
-            open(boot["stack_file"], "w").close()
-            self._ranks.append(_Rank(rank, boot, env))
-        self._finalizer = weakref.finalize(self, _stop, list(self._ranks), False)
+            self._ranks.append(RankProcess(rank, boot, env))
+        self._finalizer = weakref.finalize(self, stop, list(self._ranks), False)
         try:
             self._await_ready()
         except BaseException:
@@ -266,16 +165,16 @@ class Cluster:
                                     "could not join the process group", msg[1])
 
     def close(self, polite: bool = True) -> None:
-        """Stop every rank (no process is left behind) and release the store."""
+        """Stop every rank and the processes it started (none is left behind) and release the store."""
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
-        _stop(self._ranks, polite)
+        stop(self._ranks, polite)
         self._ranks = []
         self._store = None
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
 
     def __enter__(self) -> Cluster:
         return self.start()
@@ -287,76 +186,101 @@ class Cluster:
         return [r.proc.pid for r in self._ranks]
 
     # -- calls -------------------------------------------------------------------------------------------
-    def run(self, fn, *args, timeout: float = 60.0) -> list:
-        """Run `fn(*args)` on every rank; return the per-rank results in rank order."""
-        timeout = float(validation.positive("timeout", timeout, hint="(seconds)"))
+    def run(self, fn, *args, timeout: float | None = 60.0, stall_timeout: float | None = None) -> list:
+        """Run `fn(*args)` on every rank; return the per-rank results in rank order.
+
+        `timeout` limits the length of the call (TimeoutError), `stall_timeout` the time a rank may go without
+        returning or calling `dist.heartbeat()` (RankHang), counted from the call's start or the rank's last
+        heartbeat; None means no limit. Either way the error shows every rank's stack and the ranks are stopped.
+        """
+        timeout, stall_timeout = _seconds("timeout", timeout), _seconds("stall_timeout", stall_timeout)
         payload = _pack(fn, args)
         if not self.alive:
             self.start()
         for r in self._ranks:
             r.conn.send(("run", payload))
         try:
-            return self._collect(timeout)
+            return self._collect(timeout, stall_timeout)
         except BaseException:
             if not self.alive or isinstance(sys.exc_info()[1], KeyboardInterrupt):
                 self.close(polite=False)
             raise
 
-    def _collect(self, timeout: float) -> list:
+    def _collect(self, timeout: float | None, stall_timeout: float | None) -> list:
         n = self.world_size
-        results, failed = [None] * n, {}  # failed: rank -> a function building its error from a note
+        results, failed = [None] * n, {}  # failed: rank -> its RankError (or RankCrashed)
         pending = {r.conn: r for r in self._ranks}
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = math.inf if timeout is None else start + timeout
+        tick = _TICK_S if stall_timeout is None else min(_TICK_S, stall_timeout / 4)
+        counts, moved, stalled = self._progress.read(), [start] * n, []  # moved: when each counter last changed
         while pending:
-            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
+            now = time.monotonic()
+            if now >= deadline:
                 break
-            for conn in ready:
+            if stall_timeout is not None and not failed:
+                counts, moved = self._progress_since(counts, moved, now)
+                stalled = sorted(r.rank for r in pending.values() if now - moved[r.rank] >= stall_timeout)
+                if stalled:
+                    break
+            for conn in wait(list(pending), timeout=min(tick, deadline - now)):
                 r = pending.pop(conn)
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
-                    code, tail = r.returncode(), r.tail()
-                    failed[r.rank] = lambda note, r=r, c=code, t=tail: RankCrashed(r.rank, n, c, t, note)
+                    failed[r.rank] = r.crashed(n)
                     continue
                 if msg[0] == "ok":
                     results[r.rank] = pickle.loads(msg[1])
                     continue
                 _, payload, exc_type, message, tb = msg
                 exc = pickle.loads(payload) if payload is not None else None
-                failed[r.rank] = lambda note, r=r, t=exc_type, m=message, tb=tb, e=exc: RankError(
-                    r.rank, n, t, m, tb, exception=e, note=note)
-            if failed:  # give the other ranks a moment: they may be blocked on the failed one
+                failed[r.rank] = RankError(r.rank, n, exc_type, message, tb, exception=exc)
+            for conn, r in list(pending.items()):  # died, but a process it started still holds its connection
+                if r.proc.poll() is not None and not conn.poll():
+                    del pending[conn]
+                    failed[r.rank] = r.crashed(n)
+            if failed:  # give the other ranks a moment: they may be blocked on the failed one, or dying too
                 deadline = min(deadline, time.monotonic() + _GRACE_S)
         if not pending and not failed:
             return results
-        notes = []
+        notes, stacks = [], {}
         if pending:
-            stacks = "\n\n".join(f"--- rank {r.rank} ---\n{r.dump_stack()}" for r in self._ranks
-                                 if r.proc.poll() is None)
+            stacks = {r.rank: r.dump_stack() for r in self._ranks if r.proc.poll() is None}
             self.close(polite=False)
+            where = "\n\n".join(f"--- rank {rank} ---\n{stack}" for rank, stack in stacks.items())
             notes.append(f"{_ranks(r.rank for r in pending.values())} of {n} had not finished"
-                         + ("" if failed else f" within timeout={timeout:g}s")
+                         + ("" if failed or stalled else f" within timeout={timeout:g}s")
                          + "; the cluster's ranks were stopped and its next run() starts new ones"
-                         + f"\n\nwhere every rank was:\n{stacks}")
+                         + f"\n\nwhere every rank was:\n{where}")
+        if stalled:
+            raise RankHang(stalled, n, stall_timeout, stacks, "\n".join(notes))
         if not failed:
             raise TimeoutError("\n".join(notes))
-        first, *others = sorted(failed)
+        first, *others = root_cause(failed)
         if others:
-            notes.insert(0, f"{_ranks(others)} failed too")
-        err = failed[first]("\n".join(notes))
+            lost = all(is_connection_error(failed[rank]) for rank in others)
+            notes.insert(0, f"{_ranks(others)} failed too" + (" (lost connections: a consequence)" if lost else ""))
+        err = failed[first]
+        err.note = "\n".join(notes)
         raise err from err.exception
 
+    def _progress_since(self, counts: list[int], moved: list[float], now: float):
+        """The ranks' heartbeat counters now, and when each last changed (`now` for those that moved)."""
+        latest = self._progress.read()
+        return latest, [now if c != was else t for c, was, t in zip(latest, counts, moved, strict=True)]
 
-def spawn(fn, world_size: int, *args, timeout: float = 60.0, backend: str | None = None,
-          start_timeout: float = 120.0, env: dict[str, str] | None = None) -> list:
+
+def spawn(fn, world_size: int, *args, timeout: float | None = 60.0, stall_timeout: float | None = None,
+          backend: str | None = None, start_timeout: float = 120.0, env: dict[str, str] | None = None) -> list:
     """Start `world_size` ranks, run `fn(*args)` on each, stop them; return the results in rank order.
 
-    `timeout` bounds the call itself (not process start-up, which `start_timeout` bounds); `env` adds
-    environment variables for the ranks (see `Cluster`).
+    `timeout` bounds the call itself (not process start-up, which `start_timeout` bounds; None: no limit);
+    `stall_timeout=T` raises RankHang when a rank neither returns nor calls `dist.heartbeat()` for T seconds
+    (see `Cluster.run`); `env` adds environment variables for the ranks (see `Cluster`).
     """
     cluster = Cluster(world_size, backend=backend, start_timeout=start_timeout, env=env)
-    try:
-        return cluster.run(fn, *args, timeout=timeout)  # checks fn and args before starting any rank
+    try:  # run() checks fn, args and the time limits before starting any rank
+        return cluster.run(fn, *args, timeout=timeout, stall_timeout=stall_timeout)
     finally:
         cluster.close()
