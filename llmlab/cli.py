@@ -3,7 +3,7 @@
     llmlab doctor                      check this machine: tier, versions, FLOP/s, bandwidth, ranks, Triton
     llmlab exercises build             write exercises/ from solutions/
     llmlab exercises check             fail when exercises/ is stale
-    llmlab grade NOTEBOOK [--json]     execute a learner's notebook and report each exercise
+    llmlab grade NOTEBOOK [--json]     run a learner's notebook against its chapter's official checks
     llmlab bench NAME [--json PATH]    run a benchmark (see `llmlab bench --help`)
     llmlab results [--check]           write README's results tables from results/*.json
     llmlab train [FLAGS]               the capstone: compose DP/ZeRO/TP/... by flags (see `llmlab train --help`)
@@ -28,7 +28,7 @@ def _exercises(args) -> int:
 
     root = Path(args.root)
     if args.action == "build":
-        for path in notebooks.build(root):
+        for path in notebooks.build(root, force=args.force):
             print(f"wrote {path}")
         return 0
     problems = notebooks.check(root)
@@ -42,9 +42,21 @@ def _exercises(args) -> int:
 
 
 def _grade(args) -> int:
-    from llmlab.exercises import grade  # imported on use: `llmlab --help` stays fast
+    from llmlab.exercises import grade, sandbox  # imported on use: `llmlab --help` stays fast
 
-    report = grade.grade(Path(args.notebook), timeout=args.timeout)
+    if args.memory is not None and not args.memory > 0:
+        raise ValueError(f"--memory {args.memory:g}: must be a positive number of GiB")
+    memory = None if args.memory is None else int(args.memory * 2**30)
+    solution = None if args.solution is None else Path(args.solution)
+    try:
+        report = grade.grade(Path(args.notebook), timeout=args.timeout, solution=solution, memory=memory,
+                             isolate=args.isolate)
+    except sandbox.SandboxUnavailable as e:
+        raise ValueError(str(e)) from None
+    if args.report:  # written only now: every process the notebook started is gone
+        from llmlab.site import _write_atomically  # imported on use: it loads nbconvert
+
+        _write_atomically(Path(args.report), report.to_json() + "\n")
     print(report.to_json() if args.json else report.table())
     return 0 if report.all_passed else 1
 
@@ -91,12 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
     ex = sub.add_parser("exercises", help="generate or check exercises/ from solutions/")
     ex.add_argument("action", choices=["build", "check"])
     ex.add_argument("--root", default=".", help="project root holding solutions/ and exercises/")
+    ex.add_argument("--force", action="store_true", help="build: replace exercise notebooks edited since built")
     ex.set_defaults(func=_exercises)
 
     gr = sub.add_parser("grade", help="execute a learner's notebook and report each exercise")
     gr.add_argument("notebook")
     gr.add_argument("--json", action="store_true", help="machine-readable report")
+    gr.add_argument("--report", default=None, help="also write the JSON report to this path (atomically)")
     gr.add_argument("--timeout", type=float, default=600, help="seconds for the whole notebook")
+    gr.add_argument("--solution", default=None, help="the chapter's solution notebook (default: solutions/NAME)")
+    gr.add_argument("--memory", type=float, default=None,
+                    help="GiB each process of the notebook may allocate (default: this machine's memory)")
+    gr.add_argument("--isolate", action="store_true",
+                    help="run in a bubblewrap sandbox: no network, file systems read-only, scratch home")
     gr.set_defaults(func=_grade)
 
     be = sub.add_parser("bench", help="benchmark an implementation against its peer")

@@ -1,13 +1,11 @@
-"""The exercise round trip: solutions/ -> exercises/ (build, check), the checker base, and the grader.
+"""The exercise round trip: solutions/ -> exercises/ (build, check) and the checker base.
 
 The fixture project (tests/fixtures/exercises_project) is a real, small one: two solution notebooks
 (softmax and log-sum-exp; cross-entropy) whose checks in fixture_checks.py compare against torch. Tests
-work on a copy of it in a temporary directory. Grading starts a Jupyter kernel (a few seconds each, torch
-import included), so only the notebooks that prove something are graded: each solution (passes), each
-generated exercise (not attempted), one wrong learner notebook (through the CLI) and one that times out.
+work on a copy of it in a temporary directory. The grader's tests (which start kernels) are in
+test_exercises_grade.py, on the same fixture.
 """
 
-import json
 import shutil
 import subprocess
 import sys
@@ -35,14 +33,6 @@ def copy_fixture(destination: Path) -> Path:
 def project(tmp_path) -> Path:
     """A fresh copy of the fixture project (solutions/ only)."""
     return copy_fixture(tmp_path / "project")
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory) -> Path:
-    """One copy of the fixture project with exercises/ built, shared by the grading tests (read only)."""
-    root = copy_fixture(tmp_path_factory.mktemp("built") / "project")
-    notebooks.build(root)
-    return root
 
 
 def write_notebook(path: Path, cells) -> Path:
@@ -458,80 +448,6 @@ def test_assert_close_accepts_rounding_and_exact_comparison():
     assert_close([1, 2], torch.tensor([1, 2]), what="exact", rtol=0, atol=0)
     with pytest.raises(Mismatch, match=r"exact: 1 of 2 values differ \(rtol=0, atol=0\)"):
         assert_close(torch.tensor([1, 3]), torch.tensor([1, 2]), what="exact", rtol=0, atol=0)
-
-
-# --- grading (each starts a Jupyter kernel) ----------------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", SOLUTIONS)
-def test_every_solution_passes_every_check(built, name):
-    report = grade.grade(built / "solutions" / name, timeout=120)
-    assert [(row.exercise, row.status) for row in report.rows] == [(e, "passed") for e in SOLUTIONS[name]]
-    assert report.all_passed and report.stop is None
-    print(f"{name}: graded in {report.seconds:.1f} s")
-
-
-@pytest.mark.parametrize("name", SOLUTIONS)
-def test_every_generated_exercise_is_not_attempted(built, name):
-    report = grade.grade(built / "exercises" / name, timeout=120)
-    assert [(row.exercise, row.status) for row in report.rows] == [
-        (e, "not attempted") for e in SOLUTIONS[name]
-    ]
-    assert not report.all_passed and report.stop is None
-    assert f"⏳ {SOLUTIONS[name][0]}  " in report.table()
-    print(f"exercises/{name}: graded in {report.seconds:.1f} s")
-
-
-def test_cli_grade_json_reports_a_wrong_answer_and_a_broken_cell(built, tmp_path):
-    shutil.copy(FIXTURE / "fixture_checks.py", tmp_path)  # the notebook imports it from its parent folder
-    learner = tmp_path / "learner" / "01_softmax.ipynb"
-    learner.parent.mkdir()
-    shutil.copy(built / "exercises" / "01_softmax.ipynb", learner)
-    naive = "return x.exp() / x.exp().sum(dim=dim, keepdim=True)  # overflows for large x"
-    edit_cell(learner, 'raise NotImplementedError("Exercise 1.1: Softmax")', naive)
-    edit_cell(learner, "check.logsumexp(logsumexp)", "check.logsumexp(log_sum_exp)")
-    result = llmlab("grade", str(learner), "--json", "--timeout", "120", cwd=tmp_path)
-    assert result.returncode == 1, result.stderr
-    report = json.loads(result.stdout)
-    (softmax, lse) = report["exercises"]
-    assert softmax["status"] == "failed" and lse["status"] == "error"
-    assert softmax["detail"].startswith("softmax([1000, 1000, -1000]): 2 of 3 values differ")
-    assert "got nan, expected 0.5; 2 of them nan or inf" in softmax["detail"]
-    assert lse["detail"] == "NameError: name 'log_sum_exp' is not defined (cell 9)"
-    assert report["all_passed"] is False and report["passed"] == 0 and report["total"] == 2
-
-
-def test_a_starter_runs_once_the_learner_deletes_the_raise_and_is_graded(tmp_path):
-    root = copy_fixture(tmp_path / "project")
-    add_starter(root)
-    notebooks.build(root)
-    learner = root / "exercises" / "01_softmax.ipynb"
-    edit_cell(learner, 'raise NotImplementedError("Exercise 1.1: Softmax")' + FIX_THIS + "\n    ", "")
-    report = grade.grade(learner, timeout=120)
-    (softmax, lse) = report.rows
-    assert softmax.status == "failed" and lse.status == "not attempted"  # the starter's code ran, unchanged
-    assert softmax.detail.startswith("softmax([1000, 1000, -1000]): 2 of 3 values differ"), softmax.detail
-
-
-def test_grading_stops_at_the_timeout_and_reports_it(tmp_path, monkeypatch):
-    broken = tmp_path / "jupyter" / "kernels" / "python3"  # a python3 kernelspec from "another environment"
-    broken.mkdir(parents=True)
-    (broken / "kernel.json").write_text(
-        json.dumps({"argv": ["/bin/false"], "display_name": "x", "language": "python"})
-    )
-    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))  # the grader must use its own Python anyway
-    path = write_notebook(
-        tmp_path / "slow.ipynb",
-        [new_markdown_cell("### Exercise 9.1: Sleep"), new_code_cell("import time\ntime.sleep(120)")],
-    )
-    report = grade.grade(path, timeout=5)
-    assert report.timed_out and report.seconds < 30
-    (row,) = report.rows
-    assert row.status == "error" and row.detail.startswith(
-        "not run: TimeoutError: the notebook did not finish"
-    )
-    assert "Stopped early: TimeoutError" in report.table()
-    assert json.loads(report.to_json())["timed_out"] is True
 
 
 # --- the CLI -----------------------------------------------------------------------------------------------

@@ -1,18 +1,28 @@
-"""Grade a learner's notebook: run it, collect what each check reported, give one row per exercise.
+"""Grade a learner's notebook against its chapter's official checks: one row per exercise.
 
-:func:`grade` executes a copy of the notebook with nbclient (kernel ``python3`` of the interpreter
-running the grader, working directory = the notebook's folder; the file itself is not modified). Errors do
-not stop the run (``allow_errors``), so a broken exercise does not hide the ones after it, but one timeout
-bounds the whole run, kernel start included: when it expires the run stops and the exercises not yet checked
-say so.
+    llmlab grade exercises/04_communication.ipynb [--json] [--report PATH] [--isolate]   # from the project root
 
-Each check (:mod:`llmlab.checks`) leaves a machine-readable ``application/vnd.llmlab.check+json``
-record in its cell's outputs; the grader reads those, not the printed text. The exercises are the headings
-``### Exercise N.M: Title`` (found as in :mod:`llmlab.exercises.notebooks`), and each gets one status:
+:func:`grade` takes which exercises there are and how each is checked from the project's solution notebook
+(``solutions/<the notebook's name>``, read by :mod:`llmlab.exercises.official`), never from the submission. It runs
+a copy of the submission with nbclient (kernel ``python3`` of this interpreter, working directory = the notebook's
+folder; the file itself is not modified), leaving out the submission's own check cells, and runs each exercise's
+official check itself where it belongs (:func:`official.schedule`), as a request of its own to the kernel: what the
+check records is captured inside the kernel while it runs and comes back in the *reply* to that request
+(``user_expressions``), so nothing the notebook displays counts. If the check did not finish (the answer raised
+``SystemExit``, say), nothing captured counts either, since a learner's thread may display records meanwhile.
+Errors do not stop the run (``allow_errors``), but one timeout bounds the whole run, kernel start included.
 
-- ``passed``, ``not attempted`` or ``failed``: what its check reported (if it ran several checks, the worst);
-- ``error``: no check reported, and the detail says why: an exception in the exercise's own cells (e.g. a
-  ``NameError`` from a renamed function), the run stopping early, or an earlier cell failing.
+Each exercise gets one status:
+
+- ``passed``, ``not attempted`` or ``failed``: what its official check recorded (the worst, if several);
+- ``not attempted`` also when the exercise is not in the notebook (its heading and check cell were removed);
+- ``error``: its check recorded nothing, and the detail says why: an exception in the exercise's own cells or in
+  the check (a ``NameError`` from a renamed function), or the run stopping before it.
+
+Not protected: the learner's code runs in the same Python before the checks, so code written to tamper with them
+(replace ``llmlab.checks``, patch torch) can fool them (README's "Exercises" says what is protected). The
+kernel's processes, memory and reach are bounded by :mod:`llmlab.exercises.sandbox`: every process it started is
+stopped before :func:`grade` returns.
 """
 
 from __future__ import annotations
@@ -20,6 +30,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,9 +41,12 @@ from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
+from traitlets import List, Unicode
 
-from llmlab.checks import FAILED, MIME_TYPE, NOT_ATTEMPTED, PASSED
+from llmlab.checks import FAILED, NOT_ATTEMPTED, PASSED
+from llmlab.exercises import official as officials_of
 from llmlab.exercises.notebooks import cell_exercises, read_notebook
+from llmlab.exercises.sandbox import Reaper, bubblewrap, memory_limit, physical_memory
 
 ERROR = "error"
 _ICONS = {PASSED: "✅", NOT_ATTEMPTED: "⏳", FAILED: "❌", ERROR: "❗"}
@@ -59,12 +74,13 @@ class Stop:
 
 @dataclass(frozen=True)
 class Report:
-    """The outcome of grading one notebook."""
+    """The outcome of grading one notebook against the official checks of `against` (a solution notebook)."""
 
     notebook: Path
     rows: tuple[Row, ...]
     seconds: float
     stop: Stop | None = None
+    against: Path | None = None
 
     @property
     def all_passed(self) -> bool:
@@ -77,7 +93,8 @@ class Report:
 
     def table(self) -> str:
         """A text table: one line per exercise, its detail indented below it."""
-        lines = [f"{self.notebook} (ran in {self.seconds:.1f} s)", ""]
+        against = f", checked against {self.against}" if self.against else ""
+        lines = [f"{self.notebook} (ran in {self.seconds:.1f} s{against})", ""]
         id_width = max((len(row.exercise) for row in self.rows), default=0)
         title_width = max((len(row.title) for row in self.rows), default=0)
         for row in self.rows:
@@ -87,8 +104,6 @@ class Report:
             )
             if row.detail:
                 lines.append(" " * (id_width + 7) + row.detail)
-        if not self.rows:
-            lines.append("  no exercises: no `### Exercise N.M: Title` heading in this notebook")
         if self.stop is not None:
             lines += ["", f"Stopped early: {self.stop.reason}"]
         passed = sum(row.status == PASSED for row in self.rows)
@@ -99,6 +114,7 @@ class Report:
         return json.dumps(
             {
                 "notebook": str(self.notebook),
+                "against": str(self.against) if self.against else None,
                 "seconds": round(self.seconds, 2),
                 "all_passed": self.all_passed,
                 "passed": sum(row.status == PASSED for row in self.rows),
@@ -112,73 +128,121 @@ class Report:
         )
 
 
-def grade(path: Path, timeout: float = 600) -> Report:
-    """Execute the notebook at `path` within `timeout` seconds and report every exercise in it."""
+def grade(path: Path, timeout: float = 600, *, solution: Path | None = None, memory: int | None = None,
+          isolate: bool = False) -> Report:
+    """Run the notebook at `path` within `timeout` seconds and report each exercise of its chapter.
+
+    `solution`: the chapter's solution notebook, whose exercises and checks are the official ones (default:
+    ``solutions/<the notebook's file name>`` under the working directory, the project root). `memory`: bytes
+    each process of the kernel may allocate (default: this machine's physical memory). `isolate`: run the kernel
+    in a bubblewrap sandbox (see :mod:`llmlab.exercises.sandbox`).
+    """
     path = Path(path)
     if not timeout > 0:
         raise ValueError(f"timeout={timeout} must be a positive number of seconds")
     nb = read_notebook(path)
+    solution = Path("solutions") / path.name if solution is None else Path(solution)
+    if not solution.is_file():
+        raise FileNotFoundError(
+            f"{solution}: no such solution notebook, so the official checks of {path.name} are unknown: grade from "
+            f"the project root a notebook named as its chapter (solutions/NN_topic.ipynb), or name its solution"
+        )
+    officials = officials_of.read(solution)
+    steps = officials_of.schedule(nb, officials)
     started = time.monotonic()
-    stop = execute(nb, path.resolve().parent, timeout)
-    return Report(path, tuple(_rows(nb, stop)), time.monotonic() - started, stop)
+    memory = physical_memory() if memory is None else memory
+    stop, outcomes = _run(nb, steps, path.resolve().parent, timeout, memory=memory, isolate=isolate)
+    rows = [_row(nb, official, official in steps, outcomes.get(official.exercise), stop) for official in officials]
+    return Report(path, tuple(rows), time.monotonic() - started, stop, solution)
 
 
 def execute(nb, folder: Path, timeout: float, env: dict[str, str] | None = None) -> Stop | None:
     """Run every cell of `nb` in place (outputs land in `nb`); say where and why it stopped early, if so.
 
-    Errors in cells do not stop the run; `timeout` bounds all of it, kernel start included. `env`: variables set
-    in the kernel's environment on top of this process's (`llmlab site` turns progress bars off with it). Also
-    what `llmlab site` runs each chapter with.
+    Errors in cells do not stop the run; `timeout` bounds all of it, kernel start included; every process the
+    kernel started is stopped before it returns. `env`: variables set in the kernel's environment on top of this
+    process's (`llmlab site` turns progress bars off with it). What `llmlab site` runs each chapter with.
     """
+    return _run(nb, list(range(len(nb.cells))), folder, timeout, env=env)[0]
+
+
+def _run(nb, steps: list, folder: Path, timeout: float, env: dict[str, str] | None = None,
+         memory: int | None = None, isolate: bool = False) -> tuple[Stop | None, dict[str, dict]]:
+    """Run `steps` (cell indices of `nb`, and official checks) in one kernel; return where it stopped early (if
+    so) and each official check's outcome (exercise -> {"records": [...], "raised": str | None})."""
     if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
                                                                for k, v in env.items())):
         raise ValueError(f"env={env!r} must be a dict of str → str (environment variables)")
     deadline = time.monotonic() + timeout
-    kernel = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=_ThisPython())
-    client = NotebookClient(
-        nb,
-        km=kernel,
-        allow_errors=True,
-        startup_timeout=math.ceil(timeout),
-        extra_arguments=["--IPKernelApp.log_level=ERROR"],  # not its "running over TCP without encryption" warning
-        shutdown_kernel="immediate",  # kill the kernel's process group at once, ranks it started included
-        resources={"metadata": {"path": str(folder)}},
-    )
-    started = False
+    scratch = Path(tempfile.mkdtemp(prefix="llmlab-grade-"))  # the connection file (and sockets, sandbox's files)
     try:
-        with client.setup_kernel(cleanup_kc=True, env={**os.environ, **(env or {})}):
+        prefix = bubblewrap(scratch, folder) if isolate else []
+        kernel = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=_ThisPython(prefix=prefix),
+                                    connection_file=str(scratch / "kernel.json"),
+                                    transport="ipc" if isolate else "tcp")  # no network in the sandbox
+        client = NotebookClient(
+            nb,
+            km=kernel,
+            allow_errors=True,
+            startup_timeout=math.ceil(timeout),
+            extra_arguments=["--IPKernelApp.log_level=ERROR"],  # not its "running over TCP without encryption"
+            shutdown_kernel="immediate",  # kill the kernel's process group at once, ranks it started included
+            resources={"metadata": {"path": str(folder)}},
+        )
+        launch = {"env": {**os.environ, **(env or {})}, **({} if memory is None else
+                                                            {"preexec_fn": memory_limit(memory)})}
+        with Reaper():
+            return _steps(client, nb, steps, deadline, timeout, launch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _steps(client: NotebookClient, nb, steps: list, deadline: float, timeout: float,
+           launch: dict) -> tuple[Stop | None, dict[str, dict]]:
+    outcomes: dict[str, dict] = {}
+    started, index = False, 0
+    try:
+        with client.setup_kernel(cleanup_kc=True, **launch):
             started = True
-            for index, cell in enumerate(nb.cells):
+            for step in steps:
+                index = step if isinstance(step, int) else index
+                what = f"cell {index + 1}" if isinstance(step, int) else f"the check of Exercise {step.exercise}"
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return _timeout(index, timeout, f"before cell {index + 1}")
+                    return _timeout(index, timeout, f"before {what}"), outcomes
                 client.timeout = math.ceil(remaining)
                 try:
-                    client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
+                    if isinstance(step, int):
+                        client.execute_cell(nb.cells[step], step, execution_count=client.code_cells_executed + 1)
+                    else:
+                        outcomes[step.exercise] = officials_of.run(client, step)
                 except CellTimeoutError:
-                    return _timeout(index, timeout, f"cell {index + 1} was still running")
+                    return _timeout(index, timeout, f"{what} was still running"), outcomes
                 except DeadKernelError:
-                    reason = f"DeadKernelError: the kernel died while running cell {index + 1}"
-                    return Stop(index, reason, False)
+                    return Stop(index, f"DeadKernelError: the kernel died while running {what}", False), outcomes
     except RuntimeError as e:  # jupyter_client reports a kernel that fails to start as RuntimeError
         if started:
             raise
         if time.monotonic() >= deadline:
-            return _timeout(0, timeout, "the kernel had not started")
-        return Stop(0, f"the kernel did not start: {e}", False)
-    return None
+            return _timeout(0, timeout, "the kernel had not started"), outcomes
+        return Stop(0, f"the kernel did not start: {e}", False), outcomes
+    return None, outcomes
 
 
 class _ThisPython(KernelSpecManager):
-    """Kernel specs where ``python3`` is always this interpreter (the one that has llmlab installed).
+    """Kernel specs where ``python3`` is always this interpreter (the one that has llmlab installed), run under
+    `prefix` (a sandbox's command line, or nothing).
 
     Otherwise a ``python3`` kernelspec registered elsewhere (``ipykernel install --user`` from another
     environment) would run the learner's notebook in a Python without llmlab or torch.
     """
 
+    prefix = List(Unicode())
+
     def get_kernel_spec(self, kernel_name):
         if kernel_name == "python3":
-            return self.kernel_spec_class(resource_dir=RESOURCES, **get_kernel_dict())
+            spec = get_kernel_dict()
+            return self.kernel_spec_class(resource_dir=RESOURCES, **{**spec, "argv": self.prefix + spec["argv"]})
         return super().get_kernel_spec(kernel_name)
 
 
@@ -186,48 +250,28 @@ def _timeout(cell: int, timeout: float, where: str) -> Stop:
     return Stop(cell, f"TimeoutError: the notebook did not finish within {timeout:g} s ({where})", True)
 
 
-def _rows(nb, stop: Stop | None) -> list[Row]:
-    owners = cell_exercises(nb)
-    records: dict[str, list[dict]] = {}
-    for cell in nb.cells:
-        for output in cell.get("outputs", []):
-            record = output.get("data", {}).get(MIME_TYPE)
-            if isinstance(record, dict) and "exercise" in record and record.get("status") in _WORST_FIRST:
-                records.setdefault(str(record["exercise"]), []).append(record)
-    titles = {}  # exercise id -> heading title, in notebook order
-    for owner in owners:
-        if owner is not None:
-            titles.setdefault(owner.id, owner.title)
-    rows = []
-    for exercise, title in titles.items():
-        if exercise in records:
-            rows.append(_worst(records[exercise], title))
-        else:
-            cells = [i for i, owner in enumerate(owners) if owner is not None and owner.id == exercise]
-            rows.append(Row(exercise, title, ERROR, _why_unchecked(nb, cells, stop)))
-    for exercise, found in records.items():  # checks run outside any heading still count
-        if exercise not in titles:
-            rows.append(_worst(found, str(found[0].get("title", ""))))
-    return rows
-
-
-def _worst(records: list[dict], title: str) -> Row:
-    """One exercise's row from its records: the worst status wins (failed, not attempted, passed)."""
-    record = min(records, key=lambda r: _WORST_FIRST.index(r["status"]))
-    return Row(str(record["exercise"]), title, record["status"], str(record.get("detail", "")))
-
-
-def _why_unchecked(nb, cells: list[int], stop: Stop | None) -> str:
-    """Why an exercise whose cells are `cells` has no check record."""
+def _row(nb, official, scheduled: bool, outcome: dict | None, stop: Stop | None) -> Row:
+    """One exercise's row from its official check's outcome (None: the check did not run)."""
+    if not scheduled:
+        return Row(official.exercise, official.title, NOT_ATTEMPTED,
+                   "not in this notebook: its heading and its check cell were removed")
+    cells = [i for i, owner in enumerate(cell_exercises(nb)) if owner is not None and owner.id == official.exercise]
+    if outcome is None:
+        return Row(official.exercise, official.title, ERROR, f"not run: {stop.reason}" if stop else "not run")
+    # The check records exactly once unless something escaped it before it could: then nothing captured counts
+    # (a learner's thread may display records meanwhile). Otherwise its record is there, and the worst wins.
+    records = [r for r in outcome["records"] if outcome["raised"] is None and isinstance(r, dict)
+               and r.get("exercise") == official.exercise and r.get("status") in _WORST_FIRST]
+    if records:
+        record = min(records, key=lambda r: _WORST_FIRST.index(r["status"]))
+        return Row(official.exercise, official.title, record["status"], str(record.get("detail", "")))
     own = _first_error(nb, cells)
     if own:
-        return own
-    if stop is not None and stop.cell <= cells[-1]:
-        return f"not run: {stop.reason}"
-    earlier = _first_error(nb, range(cells[0]))
-    if earlier:
-        return f"not checked: an earlier cell failed: {earlier}"
-    return "no check ran for this exercise (is its check cell missing?)"
+        return Row(official.exercise, official.title, ERROR, own)
+    detail = f"its check raised {outcome['raised']}" if outcome["raised"] else "its check reported nothing"
+    earlier = _first_error(nb, range(cells[0] if cells else len(nb.cells)))
+    return Row(official.exercise, official.title, ERROR, f"{detail}; an earlier cell failed: {earlier}" if earlier
+               else detail)
 
 
 def cell_errors(nb, cells=None):
