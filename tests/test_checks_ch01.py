@@ -3,9 +3,11 @@ answer as not attempted, and fails a plausible wrong answer with a message namin
 
 
 import llmlab.kernels  # noqa: F401  (first: interpreted Triton on the CPU tier, before any kernel below)
+import pytest
 import triton
 import triton.language as tl
-from grading import fails, not_attempted, passes
+from check_answers import Mistake, Reference
+from grading import not_attempted
 
 from llmlab.checks import ch01
 
@@ -21,16 +23,6 @@ def block_flops(B, T, C, n_head):
     return 2 * B * T * 3 * C * C + 2 * B * n_head * 2 * T * T * hs + 2 * B * T * C * C + 2 * 2 * B * T * 4 * C * C
 
 
-def test_block_flops(capsys):
-    passes(ch01.block_flops, block_flops, capsys=capsys)
-    not_attempted(ch01.block_flops, unwritten, capsys=capsys)
-    fails(ch01.block_flops, lambda B, T, C, n_head: 24 * B * T * C * C,  # the weights only (6·N per token / 3)
-          match="attention scores q·kᵀ and the weighted sum p·v .* are missing", hint="T×T per head")
-    fails(ch01.block_flops, lambda *args: block_flops(*args) // 2, match="a multiply-add is 2 FLOPs", hint="2·m·n·k")
-    fails(ch01.block_flops, lambda *args: 3 * block_flops(*args), match="forward \\+ backward", hint="six matmuls")
-    fails(ch01.block_flops, lambda *args: "many", match="expected a number", hint="six matmuls")
-
-
 # --- 1.2 ----------------------------------------------------------------------------------------------------
 
 def gemm_roofline(m, n, k, nbytes, peak, bandwidth):
@@ -38,17 +30,17 @@ def gemm_roofline(m, n, k, nbytes, peak, bandwidth):
     return intensity, "compute" if intensity >= peak / bandwidth else "memory"
 
 
-def test_gemm_roofline(capsys):
-    passes(ch01.gemm_roofline, gemm_roofline, capsys=capsys)
-    not_attempted(ch01.gemm_roofline, unwritten, capsys=capsys)
-    one_byte = lambda m, n, k, nbytes, peak, bw: gemm_roofline(m, n, k, 1, peak, bw)
-    fails(ch01.gemm_roofline, one_byte, match="bytes per element, not 1", hint="bytes_per_element")
-    no_write = lambda m, n, k, nbytes, peak, bw: (2 * m * n * k / ((m * k + k * n) * nbytes), "memory")
-    fails(ch01.gemm_roofline, no_write, match="write of C", hint="C written once")
-    other = {"memory": "compute", "compute": "memory"}
-    flipped = lambda *args: (gemm_roofline(*args)[0], other[gemm_roofline(*args)[1]])
-    fails(ch01.gemm_roofline, flipped, match="bound '(memory|compute)', expected", hint="ridge point")
-    fails(ch01.gemm_roofline, lambda *args: gemm_roofline(*args)[0], match="expected a pair", hint="ridge point")
+def one_byte(m, n, k, nbytes, peak, bw):
+    return gemm_roofline(m, n, k, 1, peak, bw)
+
+
+def no_write(m, n, k, nbytes, peak, bw):
+    return 2 * m * n * k / ((m * k + k * n) * nbytes), "memory"
+
+
+def flipped(*args):
+    intensity, bound = gemm_roofline(*args)
+    return intensity, {"memory": "compute", "compute": "memory"}[bound]
 
 
 # --- 1.3 ----------------------------------------------------------------------------------------------------
@@ -103,29 +95,6 @@ def _unwritten_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride
         raise NotImplementedError("Exercise 1.3: The Triton GEMM's K loop")
 
 
-def test_k_loop_reference_passes(capsys):
-    passes(ch01.gemm_k_loop, Variant(), capsys=capsys)
-
-
-def test_k_loop_placeholder_is_not_attempted(capsys):
-    not_attempted(ch01.gemm_k_loop, _unwritten_kernel, capsys=capsys)
-
-
-def test_k_loop_without_the_k_mask_fails():
-    # K = 1 (the first shape) is not a multiple of BLOCK_K: the unmasked loads read the NaN around A and B
-    fails(ch01.gemm_k_loop, Variant(MASK_K=False), match="values are NaN.*not a multiple of BLOCK_K",
-          hint="the K edge offs_k < K - k·BLOCK_K")
-
-
-def test_k_loop_without_advancing_the_pointers_fails():
-    fails(ch01.gemm_k_loop, Variant(ADVANCE=False), match="never advanced along K", hint="advance a_ptrs")
-
-
-def test_k_loop_overwriting_the_accumulator_fails():
-    fails(ch01.gemm_k_loop, Variant(ACCUMULATE=False), match="overwritten instead of accumulated",
-          hint="acc = tl.dot(a, b, acc)")
-
-
 def test_k_loop_shapes_cover_the_edges():
     shapes = ch01.k_loop_shapes()
     block_k = ch01.K_LOOP_BLOCKS["BLOCK_K"]
@@ -139,10 +108,39 @@ def implied_mfu(n_params, tokens, gpus, days, peak):
     return 6 * n_params * tokens / (gpus * days * 86_400 * peak)
 
 
-def test_implied_mfu(capsys):
-    passes(ch01.implied_mfu, implied_mfu, capsys=capsys)
-    not_attempted(ch01.implied_mfu, unwritten, capsys=capsys)
-    fails(ch01.implied_mfu, lambda *args: implied_mfu(*args) / 3, match="forward pass only", hint="6·N·D")
-    fails(ch01.implied_mfu, lambda n, d, g, days, p: 6 * n * d / (g * days * 3600 * p), match="used hours",
-          hint="86,400")
-    fails(ch01.implied_mfu, lambda *args: 100 * implied_mfu(*args), match="not a percentage", hint="6·N·D")
+# --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
+
+ANSWERS = [
+    Reference(ch01.block_flops, block_flops),
+    Mistake(ch01.block_flops, lambda B, T, C, n_head: 24 * B * T * C * C,  # the weights only (6·N per token / 3)
+            match="attention scores q·kᵀ and the weighted sum p·v .* are missing", hint="T×T per head"),
+    Mistake(ch01.block_flops, lambda *args: block_flops(*args) // 2, match="a multiply-add is 2 FLOPs", hint="2·m·n·k"),
+    Mistake(ch01.block_flops, lambda *args: 3 * block_flops(*args), match="forward \\+ backward", hint="six matmuls"),
+    Mistake(ch01.block_flops, lambda *args: "many", match="expected a number", hint="six matmuls"),
+
+    Reference(ch01.gemm_roofline, gemm_roofline),
+    Mistake(ch01.gemm_roofline, one_byte, match="bytes per element, not 1", hint="bytes_per_element"),
+    Mistake(ch01.gemm_roofline, no_write, match="write of C", hint="C written once"),
+    Mistake(ch01.gemm_roofline, flipped, match="bound '(memory|compute)', expected", hint="ridge point"),
+    Mistake(ch01.gemm_roofline, lambda *args: gemm_roofline(*args)[0], match="expected a pair", hint="ridge point"),
+
+    Reference(ch01.gemm_k_loop, Variant()),
+    # K = 1 (the first shape) is not a multiple of BLOCK_K: the unmasked loads read the NaN around A and B
+    Mistake(ch01.gemm_k_loop, Variant(MASK_K=False), match="values are NaN.*not a multiple of BLOCK_K",
+            hint="the K edge offs_k < K - k·BLOCK_K"),
+    Mistake(ch01.gemm_k_loop, Variant(ADVANCE=False), match="never advanced along K", hint="advance a_ptrs"),
+    Mistake(ch01.gemm_k_loop, Variant(ACCUMULATE=False), match="overwritten instead of accumulated",
+            hint="acc = tl.dot(a, b, acc)"),
+
+    Reference(ch01.implied_mfu, implied_mfu),
+    Mistake(ch01.implied_mfu, lambda *args: implied_mfu(*args) / 3, match="forward pass only", hint="6·N·D"),
+    Mistake(ch01.implied_mfu, lambda n, d, g, days, p: 6 * n * d / (g * days * 3600 * p), match="used hours",
+            hint="86,400"),
+    Mistake(ch01.implied_mfu, lambda *args: 100 * implied_mfu(*args), match="not a percentage", hint="6·N·D"),
+]
+
+
+@pytest.mark.parametrize("check, answer", [(ch01.block_flops, unwritten), (ch01.gemm_roofline, unwritten),
+                                           (ch01.gemm_k_loop, _unwritten_kernel), (ch01.implied_mfu, unwritten)])
+def test_an_unwritten_answer_is_not_attempted(check, answer, capsys):
+    not_attempted(check, answer, capsys=capsys)

@@ -3,11 +3,16 @@
 message naming the mistake and the hint. 3.1 runs on ch03's one Cluster(4), shared by the tests here."""
 
 
+import random
+
 import pytest
 import torch
-from grading import fails, not_attempted, passes
+from check_answers import Mistake, Reference
+from grading import not_attempted
 
 from llmlab.checks import ch03
+from llmlab.checks.ch03 import hooks8
+from llmlab.memory.checkpoint import checkpoint as library_checkpoint
 from llmlab.memory.measure import is_parameter
 
 
@@ -77,33 +82,6 @@ def never_writes(flat_grad, lo, hi, shard, exp_avg, exp_avg_sq, step, lr, betas,
     shard = shard * (1 - lr * weight_decay) - lr * flat_grad[lo:hi]  # noqa: F841 - rebinding, the mistake under test
 
 
-def test_adamw_shard_step_passes_and_is_not_attempted(capsys):
-    passes(ch03.adamw_shard_step, adamw_shard_step, capsys=capsys)
-    passes(ch03.adamw_shard_step, returns_new_shard, capsys=capsys)
-    not_attempted(ch03.adamw_shard_step, unwritten, capsys=capsys)
-
-
-@pytest.mark.parametrize("mistake, match", [
-    ("no_bias_correction", "without bias correction"),
-    ("l2", "L2 regularisation"),
-    ("decay_without_lr", r"multiplied by \(1 − weight_decay\)"),
-    ("decay_after", "applied after the Adam update"),
-    ("eps_inside", "ε is inside the square root"),
-    ("no_eps", "NaN appeared"),
-    ("rebind_shard", "only the weight decay reached the shard.* rebinds a local name"),
-    ("rebind_moments", "start from zero at every step.* rebinds a local name"),
-    ("slice_from_zero", r"only the shards? of ranks? .* flat_grad\[lo:hi\]"),
-])
-def test_adamw_shard_step_names_the_mistake(mistake, match):
-    fails(ch03.adamw_shard_step, _variant(**{mistake: True}), match=match, hint="flat_grad[lo:hi]")
-
-
-def test_adamw_shard_step_says_when_nothing_was_written():
-    fails(ch03.adamw_shard_step, never_writes, match="the parameters never changed", hint="in place")
-    fails(ch03.adamw_shard_step, lambda *args: 1.0, match="returned float 1.0; update the shard in place",
-          hint="in place")
-
-
 # --- 3.2: activation checkpointing ------------------------------------------------------------------------------
 
 def make_checkpoint(restore_rng=True, fork=True, save_output=False, grad_only_x=False):
@@ -133,26 +111,6 @@ def make_checkpoint(restore_rng=True, fork=True, save_output=False, grad_only_x=
             return None, x.grad
 
     return lambda fn, x: Checkpoint.apply(fn, x)
-
-
-def test_checkpoint_passes_and_is_not_attempted(capsys):
-    passes(ch03.checkpoint, make_checkpoint(), capsys=capsys)
-    from llmlab.memory.checkpoint import checkpoint as library
-
-    passes(ch03.checkpoint, library, capsys=capsys)
-    not_attempted(ch03.checkpoint, unwritten, capsys=capsys)
-
-
-@pytest.mark.parametrize("answer, match", [
-    (make_checkpoint(restore_rng=False), "gradients differ only where dropout is on"),
-    (make_checkpoint(fork=False), "random generator is not where the plain run leaves it"),
-    (make_checkpoint(save_output=True), "save only x in forward"),
-    (make_checkpoint(grad_only_x=True), "got no gradient: backprop the recomputed output"),
-    (lambda fn, x: fn(x), "save only x in forward"),  # no checkpointing at all: as many bytes as the plain run
-    (lambda fn, x: torch.no_grad()(fn)(x), "the output does not require grad"),
-])
-def test_checkpoint_names_the_mistake(answer, match):
-    fails(ch03.checkpoint, answer, match=match, hint="torch.get_rng_state()")
 
 
 # --- 3.3: 8-bit saved-tensor hooks ------------------------------------------------------------------------------
@@ -186,32 +144,21 @@ def make_hooks(group=128, add_low=True, rounding=True, dtype=torch.uint8, pad_wi
     return pack, unpack
 
 
-def test_pack_hooks_pass_and_are_not_attempted(capsys):
-    passes(ch03.pack_hooks, *make_hooks(), capsys=capsys)
-    passes(ch03.pack_hooks, *make_hooks(group=32), capsys=capsys)  # smaller groups: more scales, still < 35%
-    passes(ch03.pack_hooks, *make_hooks(group=None), capsys=capsys)  # one group per tensor: min-max still bounds
-    not_attempted(ch03.pack_hooks, unwritten, unwritten, capsys=capsys)
-
-
 def in_place_pack(t):
     if t.is_floating_point():
         t.mul_(1.0001)  # the mistake under test: the forward pass still uses t
     return t
 
 
-@pytest.mark.parametrize("hooks, match", [
-    (make_hooks(add_low=False), "x̂ misses the minimum"),
-    (make_hooks(rounding=False), "round the codes"),
-    (make_hooks(dtype=torch.int16), "store the codes as torch.uint8"),
-    (make_hooks(pad_with_zero=True), "above half an 8-bit step"),
-    (make_hooks(params=True), "compressed .* parameter.* return parameters as they are"),
-    ((lambda t: (t.half(), t.dtype) if t.is_floating_point() else t,
-      lambda p: p[0].to(p[1]) if isinstance(p, tuple) else p), "packs into 50% .* torch.float16"),
-    ((in_place_pack, lambda p: p), "pack changed the tensor it was given"),
-    ((lambda t: t, lambda p: p), "packs into 100% of its bytes"),
-])
-def test_pack_hooks_name_the_mistake(hooks, match):
-    fails(ch03.pack_hooks, *hooks, match=match, hint="torch.uint8")
+def test_the_round_trip_bound_allows_the_references_fp32_rounding():
+    """Draws on which the reference, one group per tensor, landed above (max − min)/510·(1 + 1e-6), the bound before
+    fp32's rounding was derived into it (1 call in ~30 failed): within hooks8._bound now."""
+    pack, unpack = make_hooks(group=None)
+    for seed in (17, 93, 128):  # values in [5, 15); randn (n,); a transposed view
+        for what, t in hooks8._round_trip_cases(random.Random(seed)):
+            if t.is_floating_point():
+                err = (unpack(pack(t)).double() - t.double()).abs()
+                assert (err <= hooks8._bound(t)).all(), (seed, what)
 
 
 def test_stored_bytes_counts_each_tensor_once_and_pass_through_as_the_original():
@@ -220,3 +167,58 @@ def test_stored_bytes_counts_each_tensor_once_and_pass_through_as_the_original()
     assert ch03.stored_bytes((t.t(), t), t) == 128  # a view of the same memory: once
     codes = torch.zeros(32, dtype=torch.uint8)
     assert ch03.stored_bytes({"c": codes, "meta": (torch.zeros(2), t.shape, "x")}, t) == 32 + 8
+
+
+# --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
+
+ANSWERS = [
+    Reference(ch03.adamw_shard_step, adamw_shard_step),
+    Reference(ch03.adamw_shard_step, returns_new_shard),
+    *[Mistake(ch03.adamw_shard_step, _variant(**{mistake: True}), match=match, hint="flat_grad[lo:hi]")
+      for mistake, match in [
+          ("no_bias_correction", "without bias correction"),
+          ("l2", "L2 regularisation"),
+          ("decay_without_lr", r"multiplied by \(1 − weight_decay\)"),
+          ("decay_after", "applied after the Adam update"),
+          ("eps_inside", "ε is inside the square root"),
+          ("no_eps", "NaN appeared"),
+          ("rebind_shard", "only the weight decay reached the shard.* rebinds a local name"),
+          ("rebind_moments", "start from zero at every step.* rebinds a local name"),
+          ("slice_from_zero", r"only the shards? of ranks? .* flat_grad\[lo:hi\]"),
+      ]],
+    Mistake(ch03.adamw_shard_step, never_writes, match="the parameters never changed", hint="in place"),
+    Mistake(ch03.adamw_shard_step, lambda *args: 1.0, match="returned float 1.0; update the shard in place",
+            hint="in place"),
+
+    Reference(ch03.checkpoint, make_checkpoint()),
+    Reference(ch03.checkpoint, library_checkpoint),
+    *[Mistake(ch03.checkpoint, answer, match=match, hint="torch.get_rng_state()") for answer, match in [
+        (make_checkpoint(restore_rng=False), "gradients differ only where dropout is on"),
+        (make_checkpoint(fork=False), "random generator is not where the plain run leaves it"),
+        (make_checkpoint(save_output=True), "save only x in forward"),
+        (make_checkpoint(grad_only_x=True), "got no gradient: backprop the recomputed output"),
+        (lambda fn, x: fn(x), "save only x in forward"),  # no checkpointing at all: as many bytes as the plain run
+        (lambda fn, x: torch.no_grad()(fn)(x), "the output does not require grad"),
+    ]],
+
+    Reference(ch03.pack_hooks, *make_hooks()),
+    Reference(ch03.pack_hooks, *make_hooks(group=32)),  # smaller groups: more scales, still < 35%
+    Reference(ch03.pack_hooks, *make_hooks(group=None)),  # one group per tensor: min-max still bounds the error
+    *[Mistake(ch03.pack_hooks, *hooks, match=match, hint="torch.uint8") for hooks, match in [
+        (make_hooks(add_low=False), "x̂ misses the minimum"),
+        (make_hooks(rounding=False), "round the codes"),
+        (make_hooks(dtype=torch.int16), "store the codes as torch.uint8"),
+        (make_hooks(pad_with_zero=True), "above half an 8-bit step"),
+        (make_hooks(params=True), "compressed .* parameter.* return parameters as they are"),
+        ((lambda t: (t.half(), t.dtype) if t.is_floating_point() else t,
+          lambda p: p[0].to(p[1]) if isinstance(p, tuple) else p), "packs into 50% .* torch.float16"),
+        ((in_place_pack, lambda p: p), "pack changed the tensor it was given"),
+        ((lambda t: t, lambda p: p), "packs into 100% of its bytes"),
+    ]],
+]
+
+
+@pytest.mark.parametrize("check, answers", [(ch03.adamw_shard_step, [unwritten]), (ch03.checkpoint, [unwritten]),
+                                            (ch03.pack_hooks, [unwritten, unwritten])])
+def test_an_unwritten_answer_is_not_attempted(check, answers, capsys):
+    not_attempted(check, *answers, capsys=capsys)

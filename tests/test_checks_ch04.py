@@ -7,11 +7,15 @@ together), and run on the checks' own 5 gloo ranks, which the module fixture sto
 """
 
 
+import os
+
 import pytest
 import torch
 import torch.distributed as td
+from check_answers import Mistake, Reference
 from grading import fails, not_attempted, passes
 
+from llmlab import checks
 from llmlab.checks import ch04
 from llmlab.dist import cost
 from llmlab.dist.commlog import exchange
@@ -44,29 +48,16 @@ def reduce_scatter(tensor, group=None, shift=0, add_own=True):
     return running
 
 
-def test_ring_reduce_scatter(capsys):
-    passes(ch04.ring_reduce_scatter, reduce_scatter, capsys=capsys)
-    not_attempted(ch04.ring_reduce_scatter, unwritten, capsys=capsys)
-    message = fails(ch04.ring_reduce_scatter, lambda t, g=None: reduce_scatter(t, g, shift=1),
-                    match=r"rank \d ended with \(part of\) chunk \d, not chunk \d: the chunk index is off by 1",
-                    hint="rank r should end with chunk r")
-    assert "check the index you send at step s" in message
-    fails(ch04.ring_reduce_scatter, lambda t, g=None: reduce_scatter(t, g, add_own=False),
-          match=r"holds the shares of ranks .* only", hint="adds its own share")
-
-
-def test_ring_reduce_scatter_that_changes_its_input_fails(capsys):
-    def in_place(tensor, group=None):
-        rank, n = td.get_rank(group), td.get_world_size(group)
-        chunks = tensor.reshape(-1).tensor_split(n)
-        for step in range(n - 1):
-            c = (rank - step - 2) % n
-            incoming = torch.empty_like(chunks[c])
-            exchange(sends=[(chunks[(c + 1) % n], (rank + 1) % n)], recvs=[(incoming, (rank - 1) % n)], group=group)
-            chunks[c].add_(incoming)  # right sums, but into the caller's tensor
-        return chunks[rank].clone()
-
-    fails(ch04.ring_reduce_scatter, in_place, match="the input tensor was changed", hint="leave the input")
+def in_place(tensor, group=None):
+    """Right sums, but added into the caller's tensor."""
+    rank, n = td.get_rank(group), td.get_world_size(group)
+    chunks = tensor.reshape(-1).tensor_split(n)
+    for step in range(n - 1):
+        c = (rank - step - 2) % n
+        incoming = torch.empty_like(chunks[c])
+        exchange(sends=[(chunks[(c + 1) % n], (rank + 1) % n)], recvs=[(incoming, (rank - 1) % n)], group=group)
+        chunks[c].add_(incoming)
+    return chunks[rank].clone()
 
 
 def test_a_deadlock_and_an_error_on_the_ranks_fail_with_a_message(capsys, monkeypatch):
@@ -96,15 +87,24 @@ def all_gather(chunk, sizes, group=None, shift=0):
     return out
 
 
-def test_ring_all_gather(capsys):
-    passes(ch04.ring_all_gather, all_gather, capsys=capsys)
-    not_attempted(ch04.ring_all_gather, unwritten, capsys=capsys)
-    message = fails(ch04.ring_all_gather, lambda c, s, g=None: all_gather(c, s, g, shift=-1),
-                    match=r"chunk \d of rank \d's output .* is wrong|a message of \d+ bytes arrived where it expected",
-                    hint="send chunk (r−s) mod N")
-    assert "check the index you send at step s" in message
-    fails(ch04.ring_all_gather, lambda c, s, g=None: torch.cat([c] * td.get_world_size(g)),
-          match=r"got shape|is wrong", hint="use sizes")
+def test_an_off_by_one_all_gather_is_named_without_restarting_the_ranks():
+    """The ranks stop after the first wrong case (equal chunks, tagged), before a case of unequal chunks makes gloo
+    abort a rank that receives more bytes than it posted: the same processes answer the next call (a restart of
+    the 5 ranks costs seconds, which made this mistake 300× slower than the others to check)."""
+    ranks = checks.cluster(max(ch04.WORLD_SIZES))
+    pids = ranks.run(os.getpid)
+    fails(ch04.ring_all_gather, lambda c, s, g=None: all_gather(c, s, g, shift=-1),
+          match=r"chunk \d of rank \d's output", hint="send chunk (r−s) mod N")
+    assert ranks.run(os.getpid) == pids
+
+
+def test_a_wrong_answer_holding_nan_or_inf_is_diagnosed():
+    """A buffer never received into (torch.empty) can hold NaN or inf: the diagnosis names it instead of raising
+    "cannot convert float NaN to integer" (it did, for an off-by-one all-gather, in 3 calls of 150)."""
+    case = {"n": 2, "sizes": [3, 3], "tagged": True, "seed": 0}
+    got = torch.cat([ch04._ag_input(case, 0), torch.tensor([float("nan"), float("inf"), 1.0])])
+    assert "it holds values no rank sent" in ch04._ag_diagnosis(got, case, 0)
+    assert ch04._untag(float("nan"), 2) is None and ch04._untag(float("inf"), 2) is None
 
 
 # --- 4.3 ----------------------------------------------------------------------------------------------------
@@ -115,29 +115,47 @@ def accumulate(model, loss_fn, batches):
         (loss_fn(model, batch) / len(batches)).backward()
 
 
-def test_accumulate(capsys):
-    passes(ch04.accumulate, accumulate, capsys=capsys)
-    not_attempted(ch04.accumulate, unwritten, capsys=capsys)
-
-    def snippet(model, loss_fn, batches):  # the material's loop: no division
-        model.zero_grad()
-        for batch in batches:
-            loss_fn(model, batch).backward()
-
-    fails(ch04.accumulate, snippet, match=r"is \d× the large-batch gradient: .* divided by k", hint="/ k")
-
-    def no_zeroing(model, loss_fn, batches):
-        for batch in batches:
-            (loss_fn(model, batch) / len(batches)).backward()
-
-    fails(ch04.accumulate, no_zeroing, match="gradient of an earlier backward", hint="zero the gradients")
+def snippet(model, loss_fn, batches):  # the material's loop: no division
+    model.zero_grad()
+    for batch in batches:
+        loss_fn(model, batch).backward()
 
 
-# --- 4.4 ----------------------------------------------------------------------------------------------------
+def no_zeroing(model, loss_fn, batches):
+    for batch in batches:
+        (loss_fn(model, batch) / len(batches)).backward()
 
-def test_ring_time(capsys):
-    passes(ch04.ring_time, cost.ring_allreduce_time, capsys=capsys)
-    not_attempted(ch04.ring_time, unwritten, capsys=capsys)
-    fails(ch04.ring_time, cost.reduce_scatter_time, match="the reduce-scatter alone", hint="2(N−1)")
-    fails(ch04.ring_time, lambda s, n, a, b: 2 * (n - 1) * (a + s * b), match="S/N bytes, not all S", hint="2(N−1)")
-    fails(ch04.ring_time, lambda s, n, a, b: "fast", match="expected a number", hint="2(N−1)")
+
+# --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
+
+ANSWERS = [
+    Reference(ch04.ring_reduce_scatter, reduce_scatter),
+    Mistake(ch04.ring_reduce_scatter, lambda t, g=None: reduce_scatter(t, g, shift=1),
+            match=r"rank \d ended with \(part of\) chunk \d, not chunk \d: the chunk index is off by 1.* check the "
+                  "index you send at step s", hint="rank r should end with chunk r"),
+    Mistake(ch04.ring_reduce_scatter, lambda t, g=None: reduce_scatter(t, g, add_own=False),
+            match=r"holds the shares of ranks .* only", hint="adds its own share"),
+    Mistake(ch04.ring_reduce_scatter, in_place, match="the input tensor was changed", hint="leave the input"),
+
+    Reference(ch04.ring_all_gather, all_gather),
+    Mistake(ch04.ring_all_gather, lambda c, s, g=None: all_gather(c, s, g, shift=-1),
+            match=r"(chunk \d of rank \d's output .* is wrong|a message of \d+ bytes arrived where it expected).* "
+                  "check the index you send at step s", hint="send chunk (r−s) mod N"),
+    Mistake(ch04.ring_all_gather, lambda c, s, g=None: torch.cat([c] * td.get_world_size(g)),
+            match=r"got shape|is wrong", hint="use sizes"),
+
+    Reference(ch04.accumulate, accumulate),
+    Mistake(ch04.accumulate, snippet, match=r"is \d× the large-batch gradient: .* divided by k", hint="/ k"),
+    Mistake(ch04.accumulate, no_zeroing, match="gradient of an earlier backward", hint="zero the gradients"),
+
+    Reference(ch04.ring_time, cost.ring_allreduce_time),
+    Mistake(ch04.ring_time, cost.reduce_scatter_time, match="the reduce-scatter alone", hint="2(N−1)"),
+    Mistake(ch04.ring_time, lambda s, n, a, b: 2 * (n - 1) * (a + s * b), match="S/N bytes, not all S",
+            hint="2(N−1)"),
+    Mistake(ch04.ring_time, lambda s, n, a, b: "fast", match="expected a number", hint="2(N−1)"),
+]
+
+
+@pytest.mark.parametrize("check", [ch04.ring_reduce_scatter, ch04.ring_all_gather, ch04.accumulate, ch04.ring_time])
+def test_an_unwritten_answer_is_not_attempted(check, capsys):
+    not_attempted(check, unwritten, capsys=capsys)

@@ -7,7 +7,8 @@ import random
 
 import pytest
 import torch
-from grading import fails, not_attempted, passes
+from check_answers import Mistake, Reference
+from grading import not_attempted
 
 from llmlab.checks import ch05
 from llmlab.dist import cost
@@ -25,21 +26,6 @@ def compute_seconds(n_params, tokens, gpus, gpu, mfu, column="bf16_tflops", flop
     return flops_per_token * n_params * tokens / (gpus * peak * (mfu if use_mfu else 1.0))
 
 
-def test_compute_seconds(capsys):
-    passes(ch05.compute_seconds, compute_seconds, capsys=capsys)
-    not_attempted(ch05.compute_seconds, unwritten, capsys=capsys)
-    hint = "not the FP32 column"
-    fails(ch05.compute_seconds, lambda *a: compute_seconds(*a, column="fp32_tflops"),
-          match=r"16× too long: that is the FP32 column \(19.5 TFLOP/s .*312 TFLOP/s dense", hint=hint)
-    fails(ch05.compute_seconds, lambda *a: compute_seconds(*a, flops_per_token=2),
-          match="a third: 2·N·tokens is the forward pass only", hint=hint)
-    fails(ch05.compute_seconds, lambda *a: compute_seconds(*a, use_mfu=False),
-          match="the time at 100% of the peak: .* divide by mfu too", hint=hint)
-    fails(ch05.compute_seconds, lambda *a: compute_seconds(*a, column="bf16_sparse_tflops"),
-          match="the 2:4-sparse tensor figure", hint=hint)
-    fails(ch05.compute_seconds, lambda *a: "slow", match="got str 'slow', expected a number", hint=hint)
-
-
 # --- 5.2 ----------------------------------------------------------------------------------------------------
 
 BYTES_PER_S = {"GB/s per direction": 1e9, "GB/s both directions": 0.5e9, "Gb/s per direction": 1e9 / 8}
@@ -50,20 +36,8 @@ def allreduce(n_params, dtype, n, bandwidth, unit, alpha, per_s=BYTES_PER_S, siz
     return 2 * (n - 1) * alpha + (2 * (n - 1) / n if factor else 1) * nbytes / (bandwidth * per_s[unit])
 
 
-def test_allreduce_seconds(capsys):
-    passes(ch05.allreduce_seconds, allreduce, capsys=capsys)
-    not_attempted(ch05.allreduce_seconds, unwritten, capsys=capsys)
-    hint = "2(n−1)·α + 2(n−1)/n · S/B"
-    fails(ch05.allreduce_seconds, lambda *a: allreduce(*a, per_s=BYTES_PER_S | {"Gb/s per direction": 1e9}),
-          match=r"100 Gb/s is gigabits per second: divide by 8 for bytes \(100 Gb/s = 12.5 GB/s\)", hint=hint)
-    fails(ch05.allreduce_seconds, lambda *a: allreduce(*a, per_s=BYTES_PER_S | {"GB/s both directions": 1e9}),
-          match="600 GB/s adds both directions; .* at 300 GB/s", hint=hint)
-    fails(ch05.allreduce_seconds, lambda *a: allreduce(*a, factor=False),
-          match=r"the bandwidth term is S/B: a ring all-reduce sends 2\(n−1\)/n · S", hint=hint)
-    fails(ch05.allreduce_seconds, lambda *a: allreduce(*a, size=4),
-          match="the gradients are torch.bfloat16: 2 bytes per element, not 4", hint=hint)
-    fails(ch05.allreduce_seconds, lambda n_params, dtype, n, bandwidth, unit, alpha: allreduce(
-        n_params, dtype, n, bandwidth, unit, 0.0), match=r"the latency is missing: 2\(n−1\) = 14 messages", hint=hint)
+def no_latency(n_params, dtype, n, bandwidth, unit, alpha):
+    return allreduce(n_params, dtype, n, bandwidth, unit, 0.0)
 
 
 def test_a_mistake_that_fits_two_explanations_names_both():
@@ -102,23 +76,8 @@ def training_time(c, overlap=False, tp_per_layer=4, per_micro_batch=True, shard_
     return step, c.tokens / c.batch_tokens * step / per_day
 
 
-def test_training_time(capsys):
-    passes(ch05.training_time, training_time, capsys=capsys)
-    not_attempted(ch05.training_time, unwritten, capsys=capsys)
-    hint = "nothing overlaps"
-    for mistake, match in [
-        (dict(overlap=True), r"max\(compute, communication\) assumes a perfect overlap"),
-        (dict(tp_per_layer=0), "the TP all-reduces are missing: 4 per layer per micro-batch"),
-        (dict(tp_per_layer=2), "half the TP all-reduce time: Megatron all-reduces twice forward and twice backward"),
-        (dict(per_micro_batch=False), "the TP all-reduces counted once per step: .* of the 12 micro-batches"),
-        (dict(shard_grads=False), "the gradients of the whole model: with tp=8 each GPU holds N/tp"),
-        (dict(swap=True), r"the links are swapped: gradients cross nodes over config.link \(rdma200\)"),
-        (dict(per_day=3600), "the training = .* days: that is hours"),
-    ]:
-        fails(ch05.training_time, lambda c, m=mistake: training_time(c, **m), match=match, hint=hint)
-    fails(ch05.training_time, lambda c: training_time(c)[0], match="expected a pair", hint=hint)
-    comm_free = lambda c: (compute_seconds(c.n_params, c.batch_tokens, c.gpus, c.gpu, c.mfu), 1.0)
-    fails(ch05.training_time, comm_free, match="that is the compute alone", hint=hint)
+def comm_free(c):
+    return compute_seconds(c.n_params, c.batch_tokens, c.gpus, c.gpu, c.mfu), 1.0
 
 
 def test_training_cases_are_compute_bound_with_no_pipeline():
@@ -130,3 +89,52 @@ def test_training_cases_are_compute_bound_with_no_pipeline():
         assert c.pp == 1 and t.pp_send == 0 and t.pp_bubble == 0
     first = cluster.step_time(configs[0])  # every part non-zero, so each named mistake shows in the first case
     assert min(first.compute, first.dp_allreduce, first.tp_allreduce) > 0 and configs[0].micro_batches > 2
+
+
+# --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
+
+COMPUTE_HINT, ALLREDUCE_HINT, TRAINING_HINT = "not the FP32 column", "2(n−1)·α + 2(n−1)/n · S/B", "nothing overlaps"
+ANSWERS = [
+    Reference(ch05.compute_seconds, compute_seconds),
+    Mistake(ch05.compute_seconds, lambda *a: compute_seconds(*a, column="fp32_tflops"),
+            match=r"16× too long: that is the FP32 column \(19.5 TFLOP/s .*312 TFLOP/s dense", hint=COMPUTE_HINT),
+    Mistake(ch05.compute_seconds, lambda *a: compute_seconds(*a, flops_per_token=2),
+            match="a third: 2·N·tokens is the forward pass only", hint=COMPUTE_HINT),
+    Mistake(ch05.compute_seconds, lambda *a: compute_seconds(*a, use_mfu=False),
+            match="the time at 100% of the peak: .* divide by mfu too", hint=COMPUTE_HINT),
+    Mistake(ch05.compute_seconds, lambda *a: compute_seconds(*a, column="bf16_sparse_tflops"),
+            match="the 2:4-sparse tensor figure", hint=COMPUTE_HINT),
+    Mistake(ch05.compute_seconds, lambda *a: "slow", match="got str 'slow', expected a number", hint=COMPUTE_HINT),
+
+    Reference(ch05.allreduce_seconds, allreduce),
+    Mistake(ch05.allreduce_seconds, lambda *a: allreduce(*a, per_s=BYTES_PER_S | {"Gb/s per direction": 1e9}),
+            match=r"100 Gb/s is gigabits per second: divide by 8 for bytes \(100 Gb/s = 12.5 GB/s\)",
+            hint=ALLREDUCE_HINT),
+    Mistake(ch05.allreduce_seconds, lambda *a: allreduce(*a, per_s=BYTES_PER_S | {"GB/s both directions": 1e9}),
+            match="600 GB/s adds both directions; .* at 300 GB/s", hint=ALLREDUCE_HINT),
+    Mistake(ch05.allreduce_seconds, lambda *a: allreduce(*a, factor=False),
+            match=r"the bandwidth term is S/B: a ring all-reduce sends 2\(n−1\)/n · S", hint=ALLREDUCE_HINT),
+    Mistake(ch05.allreduce_seconds, lambda *a: allreduce(*a, size=4),
+            match="the gradients are torch.bfloat16: 2 bytes per element, not 4", hint=ALLREDUCE_HINT),
+    Mistake(ch05.allreduce_seconds, no_latency, match=r"the latency is missing: 2\(n−1\) = 14 messages",
+            hint=ALLREDUCE_HINT),
+
+    Reference(ch05.training_time, training_time),
+    *[Mistake(ch05.training_time, lambda c, m=mistake: training_time(c, **m), match=match, hint=TRAINING_HINT)
+      for mistake, match in [
+          (dict(overlap=True), r"max\(compute, communication\) assumes a perfect overlap"),
+          (dict(tp_per_layer=0), "the TP all-reduces are missing: 4 per layer per micro-batch"),
+          (dict(tp_per_layer=2), "half the TP all-reduce time: Megatron all-reduces twice forward and twice backward"),
+          (dict(per_micro_batch=False), "the TP all-reduces counted once per step: .* of the 12 micro-batches"),
+          (dict(shard_grads=False), "the gradients of the whole model: with tp=8 each GPU holds N/tp"),
+          (dict(swap=True), r"the links are swapped: gradients cross nodes over config.link \(rdma200\)"),
+          (dict(per_day=3600), "the training = .* days: that is hours"),
+      ]],
+    Mistake(ch05.training_time, lambda c: training_time(c)[0], match="expected a pair", hint=TRAINING_HINT),
+    Mistake(ch05.training_time, comm_free, match="that is the compute alone", hint=TRAINING_HINT),
+]
+
+
+@pytest.mark.parametrize("check", [ch05.compute_seconds, ch05.allreduce_seconds, ch05.training_time])
+def test_an_unwritten_answer_is_not_attempted(check, capsys):
+    not_attempted(check, unwritten, capsys=capsys)

@@ -10,7 +10,8 @@ import math
 
 import pytest
 import torch
-from grading import fails, not_attempted, passes
+from check_answers import Mistake, Reference
+from grading import not_attempted
 
 from llmlab.checks import ch06
 from llmlab.train.clip import clip_grad_norm
@@ -60,32 +61,14 @@ LR_MISTAKES = {  # mistake: (what the message says, a word of the hint)
 }
 
 
-def test_lr_at(capsys):
-    passes(ch06.lr_at, lr_at, capsys=capsys)
-    passes(ch06.lr_at, warmup_cosine_lr, capsys=capsys)  # llmlab's own, the reference
-    not_attempted(ch06.lr_at, unwritten, capsys=capsys)
+def material(step, peak_lr, warmup, total, min_lr):  # the material's own warmup, then llmlab's decay
+    return material_warmup_lr(step, peak_lr, warmup) if step < warmup else \
+        warmup_cosine_lr(step, peak_lr, warmup, total, min_lr)
 
 
-@pytest.mark.parametrize("mistake", LR_MISTAKES)
-def test_lr_at_names_the_mistake(mistake):
-    match, hint = LR_MISTAKES[mistake]
-    fails(ch06.lr_at, lambda *args: lr_at(*args, mistake=mistake), match=match, hint=hint)
-
-
-def test_lr_at_names_the_material_formula_and_its_division_by_zero():
-    def material(step, peak_lr, warmup, total, min_lr):  # the material's own warmup, then llmlab's decay
-        return material_warmup_lr(step, peak_lr, warmup) if step < warmup else \
-            warmup_cosine_lr(step, peak_lr, warmup, total, min_lr)
-
-    fails(ch06.lr_at, material, match=r"lr_at\(step=0, .* = 0, expected 0.0001: that is the material's formula",
-          hint="(step + 1)/warmup")
-
-    def ramp_first(step, peak_lr, warmup, total, min_lr):
-        ramp = (step + 1) / warmup  # computed before asking whether step < warmup
-        return peak_lr * ramp if step < warmup else lr_at(step, peak_lr, warmup, total, min_lr)
-
-    fails(ch06.lr_at, ramp_first, match="warmup=0 means no warmup", hint="(step + 1)/warmup")
-    fails(ch06.lr_at, lambda *args: "high", match=r"returned 'high'; expected a number", hint="cos(π·progress)")
+def ramp_first(step, peak_lr, warmup, total, min_lr):
+    ramp = (step + 1) / warmup  # computed before asking whether step < warmup
+    return peak_lr * ramp if step < warmup else lr_at(step, peak_lr, warmup, total, min_lr)
 
 
 # --- 6.2 ----------------------------------------------------------------------------------------------------
@@ -133,29 +116,12 @@ CLIP_MISTAKES = {
 }
 
 
-def test_clip_grad_norm(capsys):
-    passes(ch06.clip_grad_norm, clip, capsys=capsys)
-    passes(ch06.clip_grad_norm, torch.nn.utils.clip_grad_norm_, capsys=capsys)
-    passes(ch06.clip_grad_norm, clip_grad_norm, capsys=capsys)  # llmlab's
-    not_attempted(ch06.clip_grad_norm, unwritten, capsys=capsys)
-
-
-@pytest.mark.parametrize("mistake", CLIP_MISTAKES)
-def test_clip_grad_norm_names_the_mistake(mistake):
-    fails(ch06.clip_grad_norm, lambda ps, m: clip(ps, m, mistake=mistake), match=CLIP_MISTAKES[mistake],
-          hint="max_norm / (norm + 1e-6)")
-
-
-def test_clip_grad_norm_with_no_gradient_at_all_is_named():
-    def stacked(parameters, max_norm):  # right, except that torch.stack refuses an empty list
-        grads = [p.grad for p in parameters if p.grad is not None]
-        norm = torch.stack([g.norm() for g in grads]).norm()
-        for g in grads:
-            g.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
-        return norm
-
-    fails(ch06.clip_grad_norm, stacked, match=r"no parameter has a gradient and your code raised RuntimeError: .*"
-                                              r"the norm of no gradients is 0", hint="√(Σ")
+def stacked(parameters, max_norm):  # right, except that torch.stack refuses an empty list
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.stack([g.norm() for g in grads]).norm()
+    for g in grads:
+        g.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+    return norm
 
 
 # --- 6.3 ----------------------------------------------------------------------------------------------------
@@ -195,12 +161,33 @@ STEP_MISTAKES = {
 }
 
 
-def test_scaled_step(capsys):
-    passes(ch06.scaled_step, scaled_step, capsys=capsys)
-    not_attempted(ch06.scaled_step, unwritten, capsys=capsys)
+# --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
+
+ANSWERS = [
+    Reference(ch06.lr_at, lr_at),
+    Reference(ch06.lr_at, warmup_cosine_lr),  # llmlab's own, the reference
+    *[Mistake(ch06.lr_at, lambda *args, m=mistake: lr_at(*args, mistake=m), match=match, hint=hint)
+      for mistake, (match, hint) in LR_MISTAKES.items()],
+    Mistake(ch06.lr_at, material, match=r"lr_at\(step=0, .* = 0, expected 0.0001: that is the material's formula",
+            hint="(step + 1)/warmup"),
+    Mistake(ch06.lr_at, ramp_first, match="warmup=0 means no warmup", hint="(step + 1)/warmup"),
+    Mistake(ch06.lr_at, lambda *args: "high", match=r"returned 'high'; expected a number", hint="cos(π·progress)"),
+
+    Reference(ch06.clip_grad_norm, clip),
+    Reference(ch06.clip_grad_norm, torch.nn.utils.clip_grad_norm_),
+    Reference(ch06.clip_grad_norm, clip_grad_norm),  # llmlab's
+    *[Mistake(ch06.clip_grad_norm, lambda ps, max_norm, m=mistake: clip(ps, max_norm, mistake=m), match=match,
+              hint="max_norm / (norm + 1e-6)") for mistake, match in CLIP_MISTAKES.items()],
+    Mistake(ch06.clip_grad_norm, stacked,
+            match=r"no parameter has a gradient and your code raised RuntimeError: .*the norm of no gradients is 0",
+            hint="√(Σ"),
+
+    Reference(ch06.scaled_step, scaled_step),
+    *[Mistake(ch06.scaled_step, lambda *args, m=mistake: scaled_step(*args, mistake=m), match=match,
+              hint="scaler.unscale_(grads)") for mistake, match in STEP_MISTAKES.items()],
+]
 
 
-@pytest.mark.parametrize("mistake", STEP_MISTAKES)
-def test_scaled_step_names_the_mistake(mistake):
-    fails(ch06.scaled_step, lambda *args: scaled_step(*args, mistake=mistake), match=STEP_MISTAKES[mistake],
-          hint="scaler.unscale_(grads)")
+@pytest.mark.parametrize("check", [ch06.lr_at, ch06.clip_grad_norm, ch06.scaled_step])
+def test_an_unwritten_answer_is_not_attempted(check, capsys):
+    not_attempted(check, unwritten, capsys=capsys)

@@ -7,12 +7,10 @@ so.
 solution notebook write it; `script()` is the solution, `script(**STARTER)` the starter.
 """
 
-import re
-
-import pytest
 import torch
 import torch.nn.functional as F
-from grading import fails, not_attempted, passes
+from check_answers import Mistake, Reference
+from grading import fails, not_attempted
 
 from llmlab.checks import ch07
 
@@ -58,10 +56,45 @@ ONE_FAULT = {"data": dict(shift=False), "loss": dict(softmax=True), "accumulatio
              "zero_grad": dict(zero=None), "learning rate": dict(lr=1.0)}
 
 
-def test_the_fixed_script_passes_and_leaves_the_learners_state_alone(capsys):
+def never_steps(model, batches, steps, accum_steps=2):
+    with torch.no_grad():
+        return [float(model(batches(0)[:, :-1])[0].sum()) for _ in range(steps)]
+
+
+def only(fault: str) -> str:
+    """The message of a script with `fault` alone left: that fault named, the others fixed."""
+    others = ", ".join(f for f in ch07.FAULTS if f != fault)
+    return (rf"^❌ Exercise 7.1 \(find the bugs\): failed — 1 of 5 faults remain — {MESSAGES[fault]}.*; "
+            rf"fixed: {others}\. Hint:")
+
+
+# --- the table: tests/test_checks_answers.py runs each once, tools/flake.py N times -------------------------------
+
+ANSWERS = [
+    Reference(ch07.find_the_bugs, script()),
+    Mistake(ch07.find_the_bugs, script(**STARTER), hint=HINT,
+            match="5 of 5 faults remain — " + ".*".join(MESSAGES[f] for f in ch07.FAULTS) + ".*fixed: none yet"),
+    *[Mistake(ch07.find_the_bugs, script(**ONE_FAULT[fault]), match=only(fault), hint=HINT) for fault in ch07.FAULTS],
+    Mistake(ch07.find_the_bugs, script(zero="micro"), hint=HINT,
+            match=r"1 of 5 faults remain — zero_grad: the gradient at each optimizer step is the last micro-batch's "
+                  r"alone.*fixed: data, loss, learning rate; checked once the others are fixed: accumulation"),
+    Mistake(ch07.find_the_bugs, script(report_divided=True), hint=HINT,
+            match=r"all 5 faults are fixed, but train returned .* as step 0's loss, where its micro-batches' mean "
+                  r"cross-entropy is .*: report loss.item\(\) before dividing it by accum_steps"),
+    Mistake(ch07.find_the_bugs, script(lr=1e-3), hint=HINT,  # below the LR range test's minimum, but 3× too slow
+            match=rf"all 5 faults are fixed, but after {ch07.TRAIN_STEPS} steps the tiny GPT's held-out loss is .* "
+                  r"above the data's best possible .*lr 0.001"),
+    Mistake(ch07.find_the_bugs, script(extra_steps=3), match=r"train made more than steps=2 optimizer steps",
+            hint=HINT),
+    Mistake(ch07.find_the_bugs, never_steps, match=r"made 0 optimizer steps, with \[0, 0\] backward passes",
+            hint=HINT),
+]
+
+
+def test_the_check_leaves_the_learners_state_alone():
     torch.manual_seed(0)
     state, threads = torch.get_rng_state(), torch.get_num_threads()
-    passes(ch07.find_the_bugs, script(), capsys=capsys)
+    fails(ch07.find_the_bugs, script(**STARTER), match="5 of 5 faults remain", hint=HINT)  # probe and LR range test
     assert torch.equal(torch.get_rng_state(), state) and torch.get_num_threads() == threads
 
 
@@ -72,47 +105,6 @@ def test_an_unwritten_script_is_not_attempted(capsys):
     not_attempted(ch07.find_the_bugs, train, capsys=capsys)
 
 
-def test_the_starter_fails_naming_every_fault():
-    message = fails(ch07.find_the_bugs, script(**STARTER), match="5 of 5 faults remain — ", hint=HINT)
-    for fault in ch07.FAULTS:
-        assert re.search(MESSAGES[fault], message), (fault, message)
-    assert "fixed: none yet" in message
-
-
-@pytest.mark.parametrize("fault", ch07.FAULTS)
-def test_each_fault_left_alone_is_named_and_the_others_are_fixed(fault):
-    others = ", ".join(f for f in ch07.FAULTS if f != fault)
-    fails(ch07.find_the_bugs, script(**ONE_FAULT[fault]),
-          match=rf"^❌ Exercise 7.1 \(find the bugs\): failed — 1 of 5 faults remain — {MESSAGES[fault]}.*; "
-                rf"fixed: {others}\. Hint:", hint=HINT)
-
-
-def test_zeroing_inside_the_micro_batch_loop_is_named_and_accumulation_waits_for_it():
-    fails(ch07.find_the_bugs, script(zero="micro"),
-          match=r"1 of 5 faults remain — zero_grad: the gradient at each optimizer step is the last micro-batch's "
-                r"alone.*fixed: data, loss, learning rate; checked once the others are fixed: accumulation",
-          hint=HINT)
-
-
-def test_a_script_that_reports_the_divided_loss_fails():
-    fails(ch07.find_the_bugs, script(report_divided=True),
-          match=r"all 5 faults are fixed, but train returned .* as step 0's loss, where its micro-batches' mean "
-                r"cross-entropy is .*: report loss.item\(\) before dividing it by accum_steps", hint=HINT)
-
-
-def test_a_script_that_trains_too_little_fails_on_the_held_out_loss():
-    fails(ch07.find_the_bugs, script(lr=1e-3),  # below the LR range test's minimum, but 3× too slow in 60 steps
-          match=r"all 5 faults are fixed, but after 60 steps the tiny GPT's held-out loss is .* above the data's "
-                r"best possible .*lr 0.001", hint=HINT)
-
-
-def test_a_runaway_or_slow_script_is_stopped(monkeypatch):
-    fails(ch07.find_the_bugs, script(extra_steps=3), match=r"train made more than steps=2 optimizer steps", hint=HINT)
-
-    def never_steps(model, batches, steps, accum_steps=2):
-        with torch.no_grad():
-            return [float(model(batches(0)[:, :-1])[0].sum()) for _ in range(steps)]
-
-    fails(ch07.find_the_bugs, never_steps, match=r"made 0 optimizer steps, with \[0, 0\] backward passes", hint=HINT)
+def test_a_slow_script_is_stopped(monkeypatch):
     monkeypatch.setattr(ch07, "TIMEOUT_S", 0.0)
     fails(ch07.find_the_bugs, script(), match=r"train did not finish within 0 s", hint=HINT)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from check_answers import Mistake, Reference
 from grading import fails, not_attempted, passes
 
 from llmlab.checks import ch08
@@ -60,18 +61,12 @@ class Merged(LoRA):
         return F.linear(x, self.base.weight + self.s * self.lora_B @ self.lora_A, self.base.bias)
 
 
-def test_lora_linear(capsys):
+def test_lora_linear_passes_a_slow_learner_that_still_learns(monkeypatch, capsys):
+    """The smallest case (7 → 5, r = 1, α/r = 1) learns slowly: on this draw the reference's loss fell by less than
+    10% in 20 steps, which the bound before (0.9 of the first loss) failed — 1 call in 300 did."""
+    monkeypatch.setattr(ch08, "_lora_cases", lambda rng: [(7, 5, 1, 1.0)])
+    torch.manual_seed(870)  # the check draws the layer, x and the target from torch's generator
     passes(ch08.lora_linear, LoRA, capsys=capsys)
-    passes(ch08.lora_linear, Merged, capsys=capsys)
-    not_attempted(ch08.lora_linear, unwritten, capsys=capsys)
-    fails(ch08.lora_linear, variant(init="both zero"), match="both all zeros .* never learns", hint="both zero")
-    fails(ch08.lora_linear, variant(init="swapped"), match="lora_A is all zeros", hint="lora_B (out, r) to zero")
-    fails(ch08.lora_linear, variant(init="both random"), match="lora_B is not zero at initialisation",
-          hint="set lora_B")
-    fails(ch08.lora_linear, variant(scale="none"), match="not scaled: multiply BAx by α/r", hint="(α/r)")
-    fails(ch08.lora_linear, variant(scale="alpha"), match="the scale is α; it is α/r", hint="(α/r)")
-    fails(ch08.lora_linear, Unfrozen, match="base layer's weight or bias is trainable", hint="requires_grad_")
-    fails(ch08.lora_linear, lambda base, r, alpha: base, match="self.lora_A is NoneType", hint="lora_A")
 
 
 # --- 8.2: the top-2 router ------------------------------------------------------------------------------------
@@ -90,21 +85,9 @@ def top2_route(logits, renormalise=True, f_from="assignments"):
     return expert, gate, E * (f * p.mean(0)).sum()
 
 
-def test_top2_router(capsys):
-    passes(ch08.top2_router, top2_route, capsys=capsys)
-    passes(ch08.top2_router, lambda x: tuple(top2_route(x.double())), capsys=capsys)  # fp32 inside anyway
-    not_attempted(ch08.top2_router, unwritten, capsys=capsys)
-    fails(ch08.top2_router, lambda x: top2_route(x, renormalise=False), match="gates are the raw probabilities",
-          hint="divided by their sum")
-    fails(ch08.top2_router, lambda x: top2_route(x, f_from="probabilities"), match="fᵢ taken from the router "
-          "probabilities", hint="a count")
-    fails(ch08.top2_router, lambda x: top2_route(x, f_from="first"), match="counts first choices only",
-          hint="both choices counted")
-    flipped = lambda x: (top2_route(x)[0].flip(-1), *top2_route(x)[1:])  # noqa: E731
-    fails(ch08.top2_router, flipped, match="wrong order", hint="most probable first")
-    detached = lambda x: top2_route(x.detach())  # noqa: E731
-    fails(ch08.top2_router, detached, match="no gradient w.r.t. the logits", hint="softmax")
-    fails(ch08.top2_router, lambda x: top2_route(x)[:2], match="expected a triple", hint="softmax")
+def flipped(logits):
+    expert, gate, balance = top2_route(logits)
+    return expert.flip(-1), gate, balance
 
 
 def test_top2_router_names_a_wrong_balance_loss_when_only_its_gradient_differs(monkeypatch):
@@ -113,6 +96,15 @@ def test_top2_router_names_a_wrong_balance_loss_when_only_its_gradient_differs(m
     monkeypatch.setattr(ch08, "_router_cases", lambda rng: [(1, 2, 1e-3)])
     fails(ch08.top2_router, lambda x: top2_route(x, f_from="probabilities"), match="gradient of a different loss: "
           "fᵢ taken from the router probabilities", hint="a count")
+
+
+def test_top2_router_names_a_wrong_balance_loss_a_little_off_the_right_one(monkeypatch):
+    """Router probabilities 0.006 apart put E·Σ Pᵢ² 3.6e-5 above the right loss: outside the tolerance, and named as
+    that mistake (it was not while a variant within 1e-4 of the reference went unnamed: 1 call in 130 did)."""
+    monkeypatch.setattr(ch08, "_router_cases", lambda rng: [(1, 2, 0.0065)])
+    torch.manual_seed(0)  # the check draws logits [[0.0101, -0.0019]]
+    fails(ch08.top2_router, lambda x: top2_route(x, f_from="probabilities"),
+          match=r"balance_loss = 1\.0000\d+, expected 1: fᵢ taken from the router probabilities", hint="a count")
 
 
 # --- 8.3: LSQ -------------------------------------------------------------------------------------------------
@@ -136,12 +128,43 @@ def test_lsq_inputs_avoid_ties_and_the_boundary_band():
         assert ((t > q_p + 0.5) | (t < -q_n - 0.5)).any()  # something is clipped, at any bits
 
 
-def test_lsq(capsys):
-    passes(ch08.lsq, lsq, capsys=capsys)
-    not_attempted(ch08.lsq, unwritten, capsys=capsys)
-    fails(ch08.lsq, lambda v, s, b: lsq(v, s, b, g_from="none"), match="gradient scale g = 1/√\\(N·Q_P\\) is missing",
-          hint="scale the step's gradient")
-    fails(ch08.lsq, lambda v, s, b: lsq(v, s, b, g_from="N"), match="not 1/√N", hint="g = 1/√(N·Q_P)")
-    fails(ch08.lsq, lambda v, s, b: lsq(v, s, b, ste=False), match="dL/dv is zero everywhere", hint="straight through")
-    fails(ch08.lsq, lambda v, s, b: (v / s).round() * s, match="not clipped", hint="clamp")
-    fails(ch08.lsq, lambda v, s, b: lsq(v, s.detach(), b), match="step received no gradient", hint="g = 1/√(N·Q_P)")
+# --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
+
+ANSWERS = [
+    Reference(ch08.lora_linear, LoRA),
+    Reference(ch08.lora_linear, Merged),
+    Mistake(ch08.lora_linear, variant(init="both zero"), match="both all zeros .* never learns", hint="both zero"),
+    Mistake(ch08.lora_linear, variant(init="swapped"), match="lora_A is all zeros", hint="lora_B (out, r) to zero"),
+    Mistake(ch08.lora_linear, variant(init="both random"), match="lora_B is not zero at initialisation",
+            hint="set lora_B"),
+    Mistake(ch08.lora_linear, variant(scale="none"), match="not scaled: multiply BAx by α/r", hint="(α/r)"),
+    Mistake(ch08.lora_linear, variant(scale="alpha"), match="the scale is α; it is α/r", hint="(α/r)"),
+    Mistake(ch08.lora_linear, Unfrozen, match="base layer's weight or bias is trainable", hint="requires_grad_"),
+    Mistake(ch08.lora_linear, lambda base, r, alpha: base, match="self.lora_A is NoneType", hint="lora_A"),
+
+    Reference(ch08.top2_router, top2_route),
+    Reference(ch08.top2_router, lambda x: tuple(top2_route(x.double()))),  # fp32 inside anyway
+    Mistake(ch08.top2_router, lambda x: top2_route(x, renormalise=False), match="gates are the raw probabilities",
+            hint="divided by their sum"),
+    Mistake(ch08.top2_router, lambda x: top2_route(x, f_from="probabilities"),
+            match="fᵢ taken from the router probabilities", hint="a count"),
+    Mistake(ch08.top2_router, lambda x: top2_route(x, f_from="first"), match="counts first choices only",
+            hint="both choices counted"),
+    Mistake(ch08.top2_router, flipped, match="wrong order", hint="most probable first"),
+    Mistake(ch08.top2_router, lambda x: top2_route(x.detach()), match="no gradient w.r.t. the logits", hint="softmax"),
+    Mistake(ch08.top2_router, lambda x: top2_route(x)[:2], match="expected a triple", hint="softmax"),
+
+    Reference(ch08.lsq, lsq),
+    Mistake(ch08.lsq, lambda v, s, b: lsq(v, s, b, g_from="none"), match="gradient scale g = 1/√\\(N·Q_P\\) is missing",
+            hint="scale the step's gradient"),
+    Mistake(ch08.lsq, lambda v, s, b: lsq(v, s, b, g_from="N"), match="not 1/√N", hint="g = 1/√(N·Q_P)"),
+    Mistake(ch08.lsq, lambda v, s, b: lsq(v, s, b, ste=False), match="dL/dv is zero everywhere",
+            hint="straight through"),
+    Mistake(ch08.lsq, lambda v, s, b: (v / s).round() * s, match="not clipped", hint="clamp"),
+    Mistake(ch08.lsq, lambda v, s, b: lsq(v, s.detach(), b), match="step received no gradient", hint="g = 1/√(N·Q_P)"),
+]
+
+
+@pytest.mark.parametrize("check", [ch08.lora_linear, ch08.top2_router, ch08.lsq])
+def test_an_unwritten_answer_is_not_attempted(check, capsys):
+    not_attempted(check, unwritten, capsys=capsys)

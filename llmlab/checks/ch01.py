@@ -31,6 +31,10 @@ __all__ = ["block_flops", "gemm_roofline", "gemm_k_loop", "implied_mfu", "K_LOOP
 
 
 def _close(got: float, want: float, rel: float = 1e-9) -> bool:
+    """FLOP counts, intensities and MFUs from a handful of float64 products and quotients (or exact ints): another
+    arrangement differs by a few ulp, ~1e-15 relative; 1e-9 is far above that and far below the smallest named
+    mistake (one of the two attention matmuls missing: 2T/(24C + 4T) of a block's FLOPs, ≥ 1e-4 for every size
+    drawn here)."""
     return math.isclose(got, want, rel_tol=rel, abs_tol=0.0)
 
 
@@ -113,6 +117,8 @@ def gemm_roofline(fn):
             known = next((d for value, d in diagnosis.items() if _close(intensity, value)), None)
             raise Mismatch(f"{what}: intensity {intensity:.6g} FLOP/B, expected {want:.6g}"
                            + (f": {known}" if known else ""))
+        # compared exactly: a float intensity within an ulp of the ridge point, where two right answers could
+        # disagree, has probability ~1e-16 for the random integer shapes drawn here
         want_bound = roofline.bound(want, peak, bandwidth)
         if bound != want_bound:
             ridge = roofline.ridge_point(peak, bandwidth)

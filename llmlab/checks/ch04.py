@@ -108,7 +108,7 @@ def _tag(rank: int, chunk: int, n: int) -> int:
 
 def _untag(value: float, n: int) -> tuple[int, tuple[int, ...]] | None:
     """(chunk, ranks) if `value` is a sum of distinct ranks' tags of one chunk, else None."""
-    if value != int(value) or value <= 0:
+    if not math.isfinite(value) or value != int(value) or value <= 0:  # NaN, inf: a buffer never received into
         return None
     v = int(value)
     m = v % (1 << n)
@@ -151,13 +151,31 @@ def _rs_cases(rng: random.Random) -> list[dict]:
     return cases
 
 
-def _on_members(run_case, cases) -> list:
-    """On a rank: `run_case(case, group, rank)` per case whose group holds this rank, else None."""
+def _on_members(run_case, right, cases) -> list:
+    """On a rank: `run_case(case, group, rank)` per case whose group holds this rank, else None — up to the first
+    case that some rank got wrong (`right(case, rank, result)` is False), where every rank stops.
+
+    A wrong answer in a later case can crash a rank (gloo aborts a process that receives more bytes than it
+    posted a buffer for), which costs a restart of all the ranks; the first wrong case is all the check reports.
+    """
     out = []
     for case in cases:
         member, group = _group(case["n"])
-        out.append(run_case(case, group, td.get_rank(group)) if member else None)
+        rank = td.get_rank(group) if member else None
+        out.append(run_case(case, group, rank) if member else None)
+        wrong = torch.tensor([float(member and not right(case, rank, out[-1]))])
+        td.all_reduce(wrong, op=td.ReduceOp.MAX)  # every rank of the world: all stop after the same case
+        if wrong.item():
+            break
     return out
+
+
+def _stopped_early(per_rank, cases, what: str) -> None:
+    """Raise if the ranks stopped early (a case some rank found wrong) although every case compared here passed."""
+    if len(per_rank[0]) < len(cases):
+        case = cases[len(per_rank[0]) - 1]
+        raise Mismatch(f"world size {case['n']}: your {what} gave a wrong answer on some rank in a case that "
+                       "looks right from here")
 
 
 def _answer(got):  # what the learner returned, as the caller gets it: a tensor's copy or the type's name
@@ -171,8 +189,14 @@ def _reduce_scatter_case(fn, case, group, rank):
     return _answer(got), not torch.equal(given, x)
 
 
+def _rs_right(case, rank, result) -> bool:
+    got, changed = result
+    want = sum(_rs_input(case, r) for r in range(case["n"])).reshape(-1).tensor_split(case["n"])[rank]
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want) and not changed
+
+
 def _run_reduce_scatter(fn, cases) -> list:
-    return _on_members(functools.partial(_reduce_scatter_case, fn), cases)
+    return _on_members(functools.partial(_reduce_scatter_case, fn), _rs_right, cases)
 
 
 def _rs_diagnosis(got, case: dict, rank: int) -> str | None:
@@ -206,7 +230,7 @@ def ring_reduce_scatter(fn):
 
     cases = _rs_cases(fresh_rng())
     per_rank = _on_ranks(_run_reduce_scatter, fn, cases, "reduce-scatter")
-    for i, case in enumerate(cases):
+    for i, case in enumerate(cases[:len(per_rank[0])]):  # the ranks stop after the first wrong case
         n = case["n"]
         total = sum(_rs_input(case, r) for r in range(n)).reshape(-1)  # (S,) exact: small integers
         for rank in range(n):
@@ -227,6 +251,7 @@ def ring_reduce_scatter(fn):
             if changed:
                 raise Mismatch(f"{what} is right, but the input tensor was changed: a reduce-scatter leaves its "
                                "input as it was (add into new tensors, e.g. received + chunk, not chunk.add_)")
+    _stopped_early(per_rank, cases, "reduce-scatter")
 
 
 # --- 4.2: ring all-gather -----------------------------------------------------------------------------------
@@ -245,7 +270,10 @@ def _ag_cases(rng: random.Random) -> list[dict]:
     cases = []
     for n in WORLD_SIZES:
         seed = rng.randrange(1 << 30)
-        totals = [3 * n + 1, 1, n - 1, rng.choice([k for k in range(n + 1, 60) if k % n]), rng.randint(1000, 5000)]
+        # equal chunks first, tagged: a chunk index off by one sends a chunk of the right size there, so the answer
+        # is named from its tags before a later case's unequal chunks can crash gloo (see _on_members)
+        totals = [3 * n, 3 * n + 1, 1, n - 1, rng.choice([k for k in range(n + 1, 60) if k % n]),
+                  rng.randint(1000, 5000)]
         for i, total in enumerate(totals):
             cases.append({"n": n, "sizes": chunk_sizes(total, n), "tagged": i == 0, "seed": seed + i})
         cases.append({"n": n, "sizes": [rng.randint(0, 40) for _ in range(n)], "tagged": True, "seed": seed + 9})
@@ -257,8 +285,13 @@ def _all_gather_case(fn, case, group, rank):
                          f"world size {case['n']}, rank {rank}, chunk sizes {case['sizes']}"))
 
 
+def _ag_right(case, rank, got) -> bool:
+    want = torch.cat([_ag_input(case, r) for r in range(case["n"])])
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want)
+
+
 def _run_all_gather(fn, cases) -> list:
-    return _on_members(functools.partial(_all_gather_case, fn), cases)
+    return _on_members(functools.partial(_all_gather_case, fn), _ag_right, cases)
 
 
 def _ag_diagnosis(got, case: dict, rank: int) -> str:
@@ -270,7 +303,7 @@ def _ag_diagnosis(got, case: dict, rank: int) -> str:
             continue
         step = (rank - c - 1) % n
         values = part.tolist()
-        owners = {int(v) // 1000 - 1 for v in values if v == int(v) and 1000 <= v < 1000 * (n + 1)}
+        owners = {int(v) // 1000 - 1 for v in values if math.isfinite(v) and v == int(v) and 1000 <= v < 1000 * (n + 1)}
         if not owners:
             came = "it holds values no rank sent (a buffer that was never received into)"
         elif owners - {c}:
@@ -293,7 +326,7 @@ def ring_all_gather(fn):
 
     cases = _ag_cases(fresh_rng())
     per_rank = _on_ranks(_run_all_gather, fn, cases, "all-gather")
-    for i, case in enumerate(cases):
+    for i, case in enumerate(cases[:len(per_rank[0])]):  # the ranks stop after the first wrong case
         n = case["n"]
         want = torch.cat([_ag_input(case, r) for r in range(n)])  # (Σ sizes,)
         for rank in range(n):
@@ -307,6 +340,7 @@ def ring_all_gather(fn):
             if case["tagged"] and not torch.equal(got, want):
                 raise Mismatch(f"{what}: {_ag_diagnosis(got, case, rank)}")
             assert_close(got, want, what=what, rtol=0, atol=0)  # copies: exact
+    _stopped_early(per_rank, cases, "all-gather")
 
 
 # --- 4.3: gradient accumulation with the right scale --------------------------------------------------------
@@ -385,6 +419,8 @@ def ring_time(fn):
         except (TypeError, ValueError):
             raise Mismatch(f"{what} returned {fn(nbytes, n, alpha, beta)!r}; expected a number of seconds") from None
         want = cost.ring_allreduce_time(nbytes, n, alpha, beta)
+        # a handful of float64 products and sums, ~1e-16 relative in another order; abs_tol for the 0-byte and
+        # 1-rank cases, whose time is 0 s. A named mistake scales a term by N/(N−1) ≥ 1.001 or more.
         if math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-18):
             continue
         diagnosis = [  # the first that matches is named

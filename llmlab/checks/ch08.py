@@ -85,6 +85,8 @@ def lora_linear(cls):
         if B.detach().count_nonzero() and A.detach().count_nonzero():
             raise Mismatch(f"{what}: lora_B is not zero at initialisation, so ΔW = BA ≠ 0 and the model is no longer "
                            "the pretrained one before training starts")
+        # default fp32 tolerances: with B = 0 the LoRA path adds exact zeros (or W + 0·A, merged), so a right answer
+        # is the base layer's F.linear to within its summation order, a few ulp
         assert_close(y, want, what=f"{what}(x) at initialisation (must equal the base layer's output: ΔW = BA = 0)")
 
         (y * torch.randn_like(y)).sum().backward()
@@ -133,7 +135,10 @@ def _trains_and_merges(cls, n_in: int, n_out: int, r: int, alpha: float, what: s
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    if not losses[-1] < 0.9 * losses[0]:
+    # measured over 500 draws per case, the reference ends at ≤ 0.91 of its first loss in the slowest case (7 → 5,
+    # r = 1, α/r = 1; median 0.69; 0.9 failed it in 1 call of 300) and ≤ 0.82 in the random ones; an answer whose
+    # LoRA path gets no gradient, or a wrong one, stays at 1 or climbs: "falls by 1%" separates the two
+    if not losses[-1] < 0.99 * losses[0]:
         raise Mismatch(f"{what}: 20 AdamW steps fitting a rank-{r} change of the weight took the loss from "
                        f"{losses[0]:.4g} to {losses[-1]:.4g}: it does not learn")
     if not torch.equal(base.weight.detach(), w0):
@@ -201,15 +206,19 @@ def top2_router(fn):
                 torch.allclose(top, ref.gate.detach(), rtol=1e-5, atol=1e-6):  # with E = 2 the two coincide
             raise Mismatch(f"{what}: the gates are the raw probabilities (token 0's sum to "
                            f"{gate[0].sum().item():.4g}): renormalise the two so each token's gates sum to 1")
+        # default fp32 tolerances: softmax, top-2 and a division, the same fp32 operations as route's up to order
         assert_close(gate, ref.gate, what=f"{what}: gate")
         if balance.dim() != 0:
             raise Mismatch(f"{what}: balance_loss has shape {tuple(balance.shape)}, expected a scalar")
-        for why, value in _balance_variants(logits.detach(), ref.expert).items():
-            if not torch.isclose(value, ref.balance_loss.detach(), rtol=1e-4) and torch.isclose(
-                    balance.detach().float(), value, rtol=1e-5, atol=1e-7):
-                raise Mismatch(f"{what}: balance_loss = {balance.item():.6g}, expected "
-                               f"{ref.balance_loss.item():.6g}: {why}")
-        assert_close(balance, ref.balance_loss, what=f"{what}: balance_loss")
+        # a wrong value (outside assert_close's default tolerance, below) is named when it is a known variant's;
+        # deciding by the answer, not by how far the variant lies from the reference (once 1e-4 of it), names a
+        # variant that lands 1e-5 … 1e-4 away too — two near-equal router probabilities did so in 1 call of 130
+        if not torch.isclose(balance.detach().float(), ref.balance_loss.detach(), rtol=1.3e-6, atol=1e-5):
+            for why, value in _balance_variants(logits.detach(), ref.expert).items():
+                if torch.isclose(balance.detach().float(), value, rtol=1e-5, atol=1e-7):
+                    raise Mismatch(f"{what}: balance_loss = {balance.item():.6g}, expected "
+                                   f"{ref.balance_loss.item():.6g}: {why}")
+        assert_close(balance, ref.balance_loss, what=f"{what}: balance_loss")  # E sums of T fp32 values: a few ulp
 
         weights = torch.randn(T, 2)  # an arbitrary loss of the gates, plus the balance loss
         (ref.gate * weights).sum().add(ref.balance_loss).backward()
@@ -292,7 +301,9 @@ def lsq(fn):
         if clipped.any() and torch.allclose(out.detach(), v.div(step).round().mul(step)):
             raise Mismatch(f"{what}: values beyond the grid are not clipped ({int(clipped.sum())} of {n} should be): "
                            f"clamp v/s to [−Q_N, Q_P] = [{q_min}, {q_max}]")
-        assert_close(out, out_ref, what=f"{what}: v̂")  # integers times s: a correct answer is exact
+        # integers times s: exact, or 1 ulp off where the answer's s is s·g + (s − s·g) rounded (default fp32 tol);
+        # v/s is kept 0.01 from every rounding tie, so that ulp never changes an integer
+        assert_close(out, out_ref, what=f"{what}: v̂")
         if not out.requires_grad:
             raise Mismatch(f"{what}: v̂ has no gradient at all")
         out.backward(grad)
@@ -304,7 +315,7 @@ def lsq(fn):
         if clipped.any() and torch.equal(v_in.grad, grad):
             raise Mismatch(f"{what}: dL/dv passes the gradient where v was clipped too; it is 0 there (clamp's "
                            "gradient)")
-        assert_close(v_in.grad, v_ref.grad, what=f"{what}: dL/dv")
+        assert_close(v_in.grad, v_ref.grad, what=f"{what}: dL/dv")  # dL/dv̂ or 0: exact
         if s_in.grad is None:
             raise Mismatch(f"{what}: step received no gradient: v̂ must depend on it (v̂ = q·s, q from v/s)")
         got, want = s_in.grad.double(), s_ref.grad.double()

@@ -237,7 +237,12 @@ def adamw_shard_step(fn):
 
     cases = _zero_cases(fresh_rng())
     per_rank = cluster().run(_zero1_on_rank, fn, cases, timeout=TIMEOUT_S)
-    tol = dict(rtol=1e-9, atol=1e-12)  # float64, the same operations up to their order: ~1e-15 apart
+    # float64, the same operations up to their order (the gradient averaged over ranks vs one whole-batch mean):
+    # the gradients differ by ~2⁻⁵³ of their terms (~1e-16), which Adam's m̂/(√v̂ + ε) magnifies by at most 1/ε
+    # where g ≈ 0 (≤ 1e8): lr·1e8·1e-16 ≤ 3e-10 on a parameter, and only for a gradient within ε of 0 (chance
+    # ~1e-8 per parameter); elsewhere ~1e-15 apart. rtol 1e-9 of a parameter (~0.5) covers that; every named
+    # mistake moves the parameters by ~lr, 1e-2.
+    tol = dict(rtol=1e-9, atol=1e-12)
     for i, case in enumerate(cases):
         history, want_m, want_v = _reference(case)
         psi, n = case.num_params, case.world
