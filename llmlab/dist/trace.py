@@ -4,8 +4,9 @@
 it). The real `ring_all_reduce` runs on a tensor of N elements, one per chunk, whose values say where they came
 from: rank r puts 2^r · (1 + c · 2^N) in chunk c. A sum over a set R of ranks is m · (1 + c · 2^N) with
 m = Σ_{r∈R} 2^r < 2^N, so every message decodes to (which chunk, which ranks' shares are summed in it):
-m = v mod 2^N, c = ⌊v / 2^N⌋ / m. Every message the ring sends goes through `llmlab.dist.collectives.exchange`;
-`ring_steps` wraps it for the duration of one call and keeps a copy of what was sent and received at each step.
+m = v mod 2^N, c = ⌊v / 2^N⌋ / m. Every message the ring sends goes through `llmlab.dist.collectives.post`;
+`ring_steps` wraps it for the duration of one call and keeps a copy of what was sent and received at each step
+(N elements are one piece per step: a larger tensor would travel in several pieces per step).
 Nothing about the ring's indexing is assumed here: the figure is decoded from the messages of a real run.
 
     from llmlab import dist, plots
@@ -58,19 +59,27 @@ def _decode(value: int, n: int) -> tuple[int, tuple[int, ...]]:
 
 @contextmanager
 def _recording(messages: list):
-    """Keep a copy of what every `exchange` of llmlab's collectives sends and receives while the block runs."""
+    """Keep a copy of what every message pair `post`ed by llmlab's collectives sends and receives, taken when it is
+    complete (its `wait()`), before the ring adds to what arrived, while the block runs."""
 
-    original = collectives.exchange
+    original = collectives.post
 
-    def exchange(sends=(), recvs=(), group=None):
-        original(sends, recvs, group)  # received tensors are complete now, before the ring adds to them
-        messages.append(([(peer, t.clone()) for t, peer in sends], [(peer, t.clone()) for t, peer in recvs]))
+    def post(sends=(), recvs=(), group=None, tag=0):
+        pending = original(sends, recvs, group, tag)
+        wait = pending.wait
 
-    collectives.exchange = exchange
+        def recorded_wait():
+            wait()
+            messages.append(([(peer, t.clone()) for t, peer in sends], [(peer, t.clone()) for t, peer in recvs]))
+
+        pending.wait = recorded_wait
+        return pending
+
+    collectives.post = post
     try:
         yield
     finally:
-        collectives.exchange = original
+        collectives.post = original
 
 
 def ring_steps(group=None) -> list[Step]:
