@@ -41,6 +41,11 @@ def test_rising_compares_shared_rounds_pair_by_pair():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert invariants.rising([small, large], "ring time", ["1 KiB", "16 KiB"])
+    slightly = timing.Timing((0.97, 0.98, 0.97, 0.96, 0.97))  # every round agrees on a 3% fall: not material
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert invariants.rising([small, slightly], "ring time", ["1 KiB", "16 KiB"])
+        assert invariants.rising([t(1, 0.01), t(0.95, 0.01)], "step time", [4, 16])  # beyond the spreads, not 10%
     faster = timing.Timing((0.8, 0.9, 0.8, 0.7, 0.8))  # every round agrees it fell
     with pytest.warns(invariants.InvariantWarning, match="ring time fell from 1 s ±0% at 1 KiB"):
         assert not invariants.rising([small, faster], "ring time", ["1 KiB", "16 KiB"])
