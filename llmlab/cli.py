@@ -16,6 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from llmlab import files
+
 
 def _doctor(args) -> int:
     from llmlab.doctor import main  # imported on use: `llmlab --help` stays fast
@@ -54,9 +56,7 @@ def _grade(args) -> int:
     except sandbox.SandboxUnavailable as e:
         raise ValueError(str(e)) from None
     if args.report:  # written only now: every process the notebook started is gone
-        from llmlab.site import _write_atomically  # imported on use: it loads nbconvert
-
-        _write_atomically(Path(args.report), report.to_json() + "\n")
+        files.write_atomically(Path(args.report), report.to_json() + "\n")
     print(report.to_json() if args.json else report.table())
     return 0 if report.all_passed else 1
 

@@ -31,14 +31,13 @@ from __future__ import annotations
 import html
 import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from nbconvert import HTMLExporter
 
-from llmlab import runtime, timing
+from llmlab import files, runtime, timing
 from llmlab.exercises.grade import cell_errors, execute
 from llmlab.exercises.notebooks import read_notebook, title
 
@@ -83,19 +82,6 @@ def _drop_progress_widgets(nb) -> None:
                             if not (_WIDGET_VIEW in o.get("data", {}) and _BAR.search(o["data"].get("text/plain", "")))]
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the page from a web server
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def build_page(notebook: str | os.PathLike, out: str | os.PathLike, timeout: float = 600) -> Page:
     """Execute `notebook` (at most `timeout` seconds) and write `out`/<its name>.html; return its `Page`."""
 
@@ -112,7 +98,7 @@ def build_page(notebook: str | os.PathLike, out: str | os.PathLike, timeout: flo
     body, _ = HTMLExporter(template_name="lab").from_notebook_node(nb)
     page = Page(notebook, Path(out) / f"{notebook.stem}.html", title(nb, notebook.stem), seconds, load,
                 _problem(nb, stop))
-    _write_atomically(page.html, body)
+    files.write_atomically(page.html, body)
     return page
 
 
@@ -138,7 +124,7 @@ shared them, and a timed figure whose rounds then spread too wide says so beside
 </ol></body></html>
 """
     path = Path(out) / "index.html"
-    _write_atomically(path, text)
+    files.write_atomically(path, text)
     return path
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 # Lowest first. A module belongs to the longest prefix listed; an arrow may only point to its own layer or lower.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("llmlab", "llmlab.runtime", "llmlab.timing", "llmlab.invariants", "llmlab.tables", "llmlab.model",
-              "llmlab.data", "llmlab.presets", "llmlab.validation", "llmlab.plots", "llmlab.timeline", "llmlab.flops")),
+              "llmlab.data", "llmlab.presets", "llmlab.validation", "llmlab.plots", "llmlab.timeline", "llmlab.flops",
+              "llmlab.files")),
     ("processes", ("llmlab.dist", "llmlab.dist.launcher", "llmlab.dist.grid", "llmlab.dist.collectives",
                    "llmlab.dist.commlog", "llmlab.dist.torchrun", "llmlab.dist._worker")),
     ("techniques", ("llmlab.parallel", "llmlab.memory", "llmlab.moe", "llmlab.lora", "llmlab.quant",
