@@ -36,9 +36,12 @@ def flags(argv: list[str]) -> dict[str, str]:
 
 def test_make_lab_roots_jupyterlab_at_the_project_on_localhost():
     # the recipe make would run (-o: take the venv as set up, never rebuild it), then that recipe asked to print
-    # the command line it would exec
-    recipe = subprocess.run(["make", "-n", "-o", ".venv/.llmlab-installed", "lab", "PORT=8893"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.strip().splitlines()  # fmt: skip
+    # the command line it would exec. --no-print-directory and a clean MAKEFLAGS/MAKELEVEL: under a parent make
+    # (CI runs `make test`) a sub-make otherwise adds "Entering directory" lines.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    recipe = subprocess.run(["make", "--no-print-directory", "-n", "-o", ".venv/.llmlab-installed", "lab",
+                             "PORT=8893"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            check=True).stdout.strip().splitlines()  # fmt: skip
     assert recipe == [".venv/bin/python tools/lab.py --port=8893"]
     run = subprocess.run([*shlex.split(recipe[0]), "--dry-run"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60, check=True)  # fmt: skip
