@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.llmlab-installed
 PORT   ?= 8888
 
-.PHONY: setup lab test lint exercises doctor site busy-check flake clean
+.PHONY: setup lab test lint exercises doctor site busy-check flake gpu-suite gpu-suite-cpu clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,16 @@ busy-check: $(STAMP)
 N ?= 300
 flake: $(STAMP)
 	$(BIN)/python tools/flake.py -n $(N)
+
+# On a GPU node (PyTorch and Triton installed, maybe no network): doctor, the gpu tests, the benches and every chapter,
+# each part time-boxed, 9 minutes in all (tools/gpu_suite.py). No .venv: the node's python3 and its torch.
+# WHEELS=folder installs what the node lacks first (prepare it with `python3 tools/gpu_suite.py wheels FOLDER`).
+gpu-suite:
+	$(PYTHON) tools/gpu_suite.py $(if $(WHEELS),--wheels $(WHEELS))
+
+# The same suite on this CPU, every GPU-only branch run with tiny sizes and CPU stand-ins (LLMLAB_GPU_SMOKE=1); CI.
+gpu-suite-cpu: $(STAMP)
+	$(BIN)/python tools/gpu_suite.py --smoke --budget 1500
 
 clean:
 	rm -rf $(VENV) build dist site *.egg-info

@@ -88,8 +88,10 @@ def pytest_collection_modifyitems(config, items):
         return
     from llmlab import runtime
 
-    if runtime.tier().is_gpu:
+    tier = runtime.tier()
+    if tier.is_gpu and not getattr(tier, "smoke", False):
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU: this is the cpu tier (no CUDA, or LLMLAB_DEVICE=cpu)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: this is the cpu tier (no CUDA, or LLMLAB_DEVICE=cpu), or the "
+                                   "GPU smoke mode, whose CPU stand-ins are not CUDA (LLMLAB_GPU_SMOKE=1)")
     for item in gpu_items:
         item.add_marker(skip)
