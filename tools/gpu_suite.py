@@ -257,8 +257,9 @@ def run_suite(out: Path, parts: list[str], budget: float, jobs: int, smoke: bool
                                   clock.allow(LIMITS["doctor"]), logs / "doctor.log", env, cwd))  # fmt: skip
     if "pytest" in parts:
         # --import-mode=append: the test folders go after PYTHONPATH on sys.path, so the installed llmlab is found
-        argv = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-o", "addopts=", "-p", "no:cacheprovider", "-p", "no:nbval",
-                "--rootdir", str(ROOT), "--import-mode=append", *[str(ROOT / f) for f in _gpu_test_files()]]
+        argv = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
+                "-p", "no:nbval", "--rootdir", str(ROOT), "--import-mode=append",
+                *[str(ROOT / f) for f in _gpu_test_files()]]
         outcomes.append(run_boxed("pytest -m gpu", argv, clock.allow(LIMITS["pytest"]), logs / "pytest.log", env,
                                   cwd))  # fmt: skip
     if "bench" in parts:
