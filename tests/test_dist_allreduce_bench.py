@@ -139,6 +139,18 @@ def test_measure_refuses_bad_arguments(bad, match):
         allreduce_bench.measure(**{"sizes": SIZES, **bad})
 
 
+def test_piece_sizes_timed_on_the_same_repeats(cluster):
+    run = allreduce_bench.measure_pieces(3 * 4096, [4096, 64], cluster=cluster, repeats=2, span_s=0.002)
+    timings = run.timings
+    assert set(timings) == {4096, 64} and all(len(t.samples) == 2 and t.seconds > 0 for t in timings.values())
+    assert 0 < run.gamma < 1e-6  # seconds per byte added: faster than 1 MB/s on any machine
+    assert allreduce_bench.paired(timings[64], timings[4096]).ratios  # one ratio per repeat
+    for bad, match in ((dict(nbytes=10), "multiple of 4"), (dict(piece_sizes=[64, 64]), "2 different"),
+                       (dict(piece_sizes=[64, 0]), r"piece_sizes\[1\]=0")):
+        with pytest.raises(ValueError, match=match):
+            allreduce_bench.measure_pieces(**{"nbytes": 4096, "piece_sizes": [64, 128], "cluster": cluster, **bad})
+
+
 def test_the_ring_recorded_step_by_step(cluster):
     per_rank = cluster.run(trace.ring_steps)
     n = 3

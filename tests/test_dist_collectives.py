@@ -85,7 +85,8 @@ def _all_reduce_cases(n, op):
         return None
     algos = {"ring": ring_all_reduce, "tree": tree_all_reduce,
              "double_tree": lambda t, **kw: tree_all_reduce(t, double=True, **kw),
-             "tree_small_segments": lambda t, **kw: tree_all_reduce(t, segment_bytes=256, **kw)}  # pipelined
+             "tree_small_segments": lambda t, **kw: tree_all_reduce(t, segment_bytes=256, **kw),  # pipelined
+             "ring_small_pieces": lambda t, **kw: ring_all_reduce(t, piece_bytes=12, **kw)}  # 1–3 elements a piece
     problems, digests = [], []
     for size in _sizes(n):
         for dtype in DTYPES:
@@ -103,8 +104,8 @@ def _all_reduce_cases(n, op):
                 reference /= n
             results = {}
             for name, algo in algos.items():
-                if name == "tree_small_segments" and size == LARGE:
-                    continue  # 16k segments: slow, and pipelining is covered by the smaller sizes
+                if name in ("tree_small_segments", "ring_small_pieces") and size == LARGE:
+                    continue  # 16k segments or pieces: slow, and pipelining is covered by the smaller sizes
                 x = inputs[rank].clone()
                 out = algo(x, group=group, op=op)
                 if out is not x:
@@ -112,6 +113,9 @@ def _all_reduce_cases(n, op):
                 results[name] = x
                 problems.append(_reduction_error(f"{case} {name}", x, exact, abs_sum, n, dtype))
             problems.append(_reduction_error(f"{case} torch.all_reduce", reference, exact, abs_sum, n, dtype))
+            if "ring_small_pieces" in results and not torch.equal(results["ring_small_pieces"], results["ring"]):
+                problems.append(f"{case}: the ring in pieces differs from the ring in whole chunks (same adds, "
+                                "same order: the bits must agree)")
             if not dtype.is_floating_point and not torch.equal(results["ring"], reference):
                 problems.append(f"{case}: ring differs from torch.all_reduce")
             shard = ring_reduce_scatter(inputs[rank], group=group, op=op)  # (size/n,)
@@ -249,6 +253,8 @@ def _bad_input(n, case):
         all_to_all([x] * (n - 1 if odd else n), group=group)
     elif case == "a2a_dtype":
         all_to_all([x.long() if odd else x] * n, group=group)
+    elif case == "piece_bytes":
+        ring_all_reduce(x, group=group, piece_bytes=0)
     elif case == "unchecked_not_a_tensor":
         ring_all_reduce("x", group=group, check=False)
     return "no error"
@@ -267,6 +273,7 @@ BAD = {
     "src_range": (ValueError, r"tree_broadcast: src=3 must be an int in \[0, 2\] \(a rank of the group\)"),
     "a2a_length": (TypeError, r"chunks must be a list of 3 tensors .* rank\(s\) \[2\] passed"),
     "a2a_dtype": (ValueError, r"chunks have dtype torch.float32 on rank 0 but torch.int64 on rank 2"),
+    "piece_bytes": (ValueError, r"piece_bytes=0 must be a positive int \(bytes per piece"),
     "unchecked_not_a_tensor": (TypeError, r"ring_all_reduce: tensor must be a torch.Tensor, got str"),
 }
 

@@ -17,6 +17,27 @@ def test_ring_allreduce_by_hand():
     assert cost.ring_allreduce_time(0, 8, ALPHA, BETA) == pytest.approx(14 * 5e-6)  # latency only
 
 
+def test_ring_in_pieces_by_hand():
+    S, n = 8e6, 4  # each step's chunk m = 2 MB
+    # one piece and no reduction cost: the plain ring
+    assert cost.ring_pieces_time(S, n, ALPHA, BETA, 0.0, 1) == pytest.approx(cost.ring_allreduce_time(S, n, ALPHA, BETA))
+    gamma = BETA / 4  # additions 4× faster than the link: with k pieces all but the last piece's add hides
+    m = S / n
+    whole = 3 * (ALPHA + m * BETA + m * gamma) + 3 * (ALPHA + m * BETA)
+    assert cost.ring_pieces_time(S, n, ALPHA, BETA, gamma, 1) == pytest.approx(whole)
+    k = 8
+    piped = 3 * (k * ALPHA + m * BETA + m / k * gamma) + 3 * (k * ALPHA + m * BETA)
+    assert cost.ring_pieces_time(S, n, ALPHA, BETA, gamma, k) == pytest.approx(piped)
+    # additions slower than the link: the adds set the pace, k−1 of them behind the first piece's send
+    slow = 4 * BETA
+    send, add = ALPHA + m / k * BETA, m / k * slow
+    assert add > send
+    assert cost.ring_pieces_time(S, n, ALPHA, BETA, slow, k) == pytest.approx(
+        3 * (send + k * add) + 3 * (k * ALPHA + m * BETA))
+    with pytest.raises(ValueError, match=r"pieces=0 an int ≥ 1"):
+        cost.ring_pieces_time(S, n, ALPHA, BETA, gamma, 0)
+
+
 def test_tree_allreduce_by_hand():
     # n = 8: depth 3, up and down: 6 latencies; pipelined: 2S·β; unsegmented: every level pays S·β
     assert cost.tree_allreduce_time(1e6, 8, ALPHA, BETA) == pytest.approx(6 * 5e-6 + 2e6 / 10e9)

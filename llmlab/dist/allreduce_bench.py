@@ -51,7 +51,8 @@ from llmlab import dist, runtime, timing, validation
 from llmlab.dist import cost
 from llmlab.dist.collectives import ring_all_reduce, tree_all_reduce
 
-__all__ = ["DEFAULT_SIZES", "CLAIM_SIZES", "IMPLS", "AllReduceRun", "measure", "bench", "recent", "format_bytes"]
+__all__ = ["DEFAULT_SIZES", "CLAIM_SIZES", "IMPLS", "AllReduceRun", "measure", "measure_pieces", "PiecesRun",
+           "paired", "bench", "recent", "format_bytes"]
 
 DEFAULT_SIZES = tuple(1024 * 4**k for k in range(9))  # 1 KiB, 4 KiB, … 64 MiB
 # C12's and chapter 4's: 16× apart where the time is latency (flat: more sizes there add only chances for noise to
@@ -169,9 +170,7 @@ class AllReduceRun:
 
     def comparison(self, impl: str, peer: str, index: int) -> timing.Comparison:
         """`impl` against `peer` at `self.sizes[index]`, repeat by repeat (their ratio is impl time / peer time)."""
-        a, b = self.timings[impl][index], self.timings[peer][index]
-        return timing.Comparison(a, b, tuple(x / y if y > 0 else math.inf
-                                             for x, y in zip(a.samples, b.samples, strict=True)))
+        return paired(self.timings[impl][index], self.timings[peer][index])
 
     def faster(self, index: int) -> str:
         """'ring', 'tree' or 'not conclusive': which of the two was faster at `self.sizes[index]`, by the
@@ -249,6 +248,12 @@ class AllReduceRun:
         return rows
 
 
+def paired(a: timing.Timing, b: timing.Timing) -> timing.Comparison:
+    """`a` against `b` repeat by repeat (sample k of each from the same repeat): their ratios, a time / b time."""
+    return timing.Comparison(a, b, tuple(x / y if y > 0 else math.inf for x, y in zip(a.samples, b.samples,
+                                                                                        strict=True)))
+
+
 def _bound(nbytes: float, sizes) -> str:
     """A crossover bound in words: below or above the measured sizes when it is 0 or inf."""
     if nbytes == 0:
@@ -256,16 +261,23 @@ def _bound(nbytes: float, sizes) -> str:
     return f"above {format_bytes(sizes[-1])}" if math.isinf(nbytes) else format_bytes(nbytes)
 
 
-def _time_on_rank(sizes, repeats: int, span_s: float) -> dict:
+def _op(impl):
+    """The call timed for `impl`: "ring", "tree", "torch", or an int: the ring with pieces of that many bytes.
+    Benchmarks skip the collectives' input check (N−1 α)."""
+    if isinstance(impl, int):
+        return lambda x: ring_all_reduce(x, check=False, piece_bytes=impl)
+    return {"ring": lambda x: ring_all_reduce(x, check=False), "tree": lambda x: tree_all_reduce(x, check=False),
+            "torch": td.all_reduce}[impl]
+
+
+def _time_on_rank(sizes, repeats: int, span_s: float, impls=IMPLS) -> dict:
     """On every rank: the calls per burst, {impl: [count per size]}, and the clock at the start and the end of each
-    burst, {impl: [[(start, end) of each repeat] per size]}."""
+    burst, {impl: [[(start, end) of each repeat] per size]}, for each of `impls` (see `_op`)."""
 
     device, n, rank = runtime.device(), td.get_world_size(), td.get_rank()
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     buffers = [torch.zeros(nbytes // 4, device=device) for nbytes in sizes]  # (S/4,) fp32 each
-    ops = {"ring": lambda x: ring_all_reduce(x, check=False),  # benchmarks skip the input check (N−1 α)
-           "tree": lambda x: tree_all_reduce(x, check=False),
-           "torch": td.all_reduce}
+    ops = {impl: _op(impl) for impl in impls}
     for nbytes, x in zip(sizes, buffers, strict=True):  # every size and implementation: is it right? (warm-up too)
         for impl, op in ops.items():
             x.fill_(rank + 1)
@@ -294,13 +306,13 @@ def _time_on_rank(sizes, repeats: int, span_s: float) -> dict:
         more = [timed_call(op, x) for _ in range(_CALIBRATE - 1)] if worst < 4 * span_s else []
         one.append(min([t, *more]))
     counts = [min(_MAX_CALLS, max(1, math.ceil(span_s / w))) if w > 0 else _MAX_CALLS for w in slowest(one)]
-    calls = {impl: [counts[i * len(IMPLS) + j] for i in range(len(sizes))] for j, impl in enumerate(IMPLS)}
-    spans = {impl: [[] for _ in sizes] for impl in IMPLS}
+    calls = {impl: [counts[i * len(impls) + j] for i in range(len(sizes))] for j, impl in enumerate(impls)}
+    spans = {impl: [[] for _ in sizes] for impl in impls}
     for rep in range(repeats):
         order = range(len(sizes)) if rep % 2 == 0 else reversed(range(len(sizes)))  # up, then down, then up…
         for i in order:
-            for k in range(len(IMPLS)):
-                impl = IMPLS[(rep + k) % len(IMPLS)]  # rotate the order from repeat to repeat
+            for k in range(len(impls)):
+                impl = impls[(rep + k) % len(impls)]  # rotate the order from repeat to repeat
                 op, x = ops[impl], buffers[i]
                 td.barrier()
                 sync()
@@ -324,12 +336,12 @@ def _check_sizes(sizes) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def _summarise(per_rank: list[dict], sizes, load: timing.Load) -> dict[str, tuple[timing.Timing, ...]]:
+def _summarise(per_rank: list[dict], sizes, load: timing.Load, impls=IMPLS) -> dict[str, tuple[timing.Timing, ...]]:
     """Every rank's bursts → one Timing per implementation and size: per repeat, from the last rank's start to the
     last rank's end, divided by the calls of the burst."""
     calls = per_rank[0]["calls"]
     out = {}
-    for impl in IMPLS:
+    for impl in impls:
         out[impl] = []
         for i in range(len(sizes)):
             bursts = zip(*(r["spans"][impl][i] for r in per_rank), strict=True)  # per repeat: (start, end) per rank
@@ -367,6 +379,40 @@ def measure(sizes=DEFAULT_SIZES, world_size: int = 4, *, cluster=None, repeats: 
     run = AllReduceRun(cluster.world_size, cluster.backend, sizes, _summarise(per_rank, sizes, load))
     _recent[run.world_size] = run
     return run
+
+
+@dataclass(frozen=True)
+class PiecesRun:
+    """`measure_pieces`' result: the ring's time per piece size (the same repeats for every size: compare two with
+    `paired`), and γ, the seconds per byte of a reduce-scatter step's addition on the ranks."""
+
+    nbytes: int
+    timings: dict[int, timing.Timing]  # piece_bytes → seconds per all-reduce
+    gamma: float  # seconds per byte added: `into.add_(other)` of one chunk, on every rank at once (their median)
+
+
+def _addition_time(numel: int) -> float:
+    """On every rank at once, as in a ring step: seconds for one `add_` of two fp32 vectors of `numel`."""
+    into, other = torch.randn(numel, device=runtime.device()), torch.randn(numel, device=runtime.device())  # (numel,)
+    return timing.measure(lambda: into.add_(other), device=runtime.device()).seconds
+
+
+def measure_pieces(nbytes: int, piece_sizes, *, cluster, repeats: int = 7, span_s: float = 0.03) -> PiecesRun:
+    """The ring all-reduce of one fp32 buffer of `nbytes` on `cluster`'s ranks with each of `piece_sizes` (bytes per
+    piece, `ring_all_reduce(piece_bytes=…)`), timed as `measure` times, and the cost of the ranks' additions (γ,
+    for `cost.ring_pieces_time`), measured on the ranks themselves: they, not the caller, add."""
+    if validation.integer("nbytes", nbytes, low=4, hint="(bytes)") % 4:
+        raise ValueError(f"nbytes={nbytes} must be a multiple of 4 bytes (a whole number of fp32 elements)")
+    pieces = tuple(validation.positive_int(f"piece_sizes[{i}]", p) for i, p in enumerate(piece_sizes))
+    if len(set(pieces)) != len(pieces) or len(pieces) < 2:
+        raise ValueError(f"piece_sizes={piece_sizes!r}: give at least 2 different piece sizes to compare")
+    validation.integer("repeats", repeats, low=1)
+    chunk = max(1, nbytes // 4 // cluster.world_size)  # elements of one ring step's chunk
+    load = timing.Load.now()
+    adds = cluster.run(_addition_time, chunk)
+    per_rank = cluster.run(_time_on_rank, (nbytes,), repeats, span_s, pieces)
+    timings = _summarise(per_rank, (nbytes,), load.busier(timing.Load.now()), pieces)
+    return PiecesRun(nbytes, {p: ts[0] for p, ts in timings.items()}, float(np.median(adds)) / (chunk * 4))
 
 
 def recent(world_size: int = 4) -> AllReduceRun | None:

@@ -158,12 +158,16 @@ def _one(t: torch.Tensor, peer: int) -> list:
 
 
 # -- ring ------------------------------------------------------------------------------------------------------
-PIECE_BYTES = 1 << 20  # a ring step's chunk travels in pieces of about this size (see _ring_step)
+# A ring step's chunk travels in pieces of at most this size (see _ring_step): NCCL's default buffer (NCCL_BUFFSIZE).
+# Measured on 4 gloo ranks of a 2-core CPU (chapter 4), 1 MiB pieces cost more α than they hid additions (ring busbw
+# 0.58× torch's at 16 MiB, against 0.80× with the 4 MiB chunk whole): the addition (tens of GB/s) is cheap next to
+# the link (about 1 GB/s), so only chunks over 4 MiB are cut.
+PIECE_BYTES = 4 << 20
 
 
-def _pieces(sizes: list[int], element_size: int) -> int:
+def _pieces(sizes: list[int], element_size: int, piece_bytes: int) -> int:
     """How many pieces every chunk is cut into: the same on every rank, as both ends of a message must agree."""
-    return max(1, -(-max(sizes) * element_size // PIECE_BYTES))  # ceil
+    return max(1, -(-max(sizes) * element_size // piece_bytes))  # ceil
 
 
 def _ring_step(send: torch.Tensor, recv: torch.Tensor, k: int, right: int, left: int, group, reduce=None) -> None:
@@ -185,7 +189,8 @@ def _ring_step(send: torch.Tensor, recv: torch.Tensor, k: int, right: int, left:
         pending = after
 
 
-def _ring_reduce_scatter_flat(flat, sizes, rank, n, group, in_place: bool = False) -> torch.Tensor:
+def _ring_reduce_scatter_flat(flat, sizes, rank, n, group, in_place: bool = False,
+                              piece_bytes: int = PIECE_BYTES) -> torch.Tensor:
     """The sum over ranks of chunk `rank` of 1-D `flat`: a new tensor, `flat` unchanged; or, `in_place`, the sum
     written into `flat`'s own chunk `rank` (other chunks then hold partial sums) and returned as a view of it.
 
@@ -195,7 +200,7 @@ def _ring_reduce_scatter_flat(flat, sizes, rank, n, group, in_place: bool = Fals
     chunks = flat.split(sizes)  # n views
     if n == 1:
         return chunks[0] if in_place else chunks[0].clone()
-    right, left, k = (rank + 1) % n, (rank - 1) % n, _pieces(sizes, flat.element_size())
+    right, left, k = (rank + 1) % n, (rank - 1) % n, _pieces(sizes, flat.element_size(), piece_bytes)
     buffers = [torch.empty(max(sizes), dtype=flat.dtype, device=flat.device) for _ in range(1 if in_place else 2)]
     running = chunks[(rank - 1) % n]  # step 0 sends my own share of chunk rank−1
     for step in range(n - 1):
@@ -208,9 +213,9 @@ def _ring_reduce_scatter_flat(flat, sizes, rank, n, group, in_place: bool = Fals
     return running
 
 
-def _ring_all_gather_flat(out, sizes, rank, n, group) -> None:
+def _ring_all_gather_flat(out, sizes, rank, n, group, piece_bytes: int = PIECE_BYTES) -> None:
     """Fill every chunk of 1-D `out` from its owner; chunk `rank` is already in place."""
-    chunks, k = out.split(sizes), _pieces(sizes, out.element_size())
+    chunks, k = out.split(sizes), _pieces(sizes, out.element_size(), piece_bytes)
     right, left = (rank + 1) % n, (rank - 1) % n
     for step in range(n - 1):  # pass on the chunk received last step; receive the one before it
         _ring_step(chunks[(rank - step) % n], chunks[(rank - step - 1) % n], k, right, left, group)
@@ -249,15 +254,23 @@ def ring_all_gather(chunk, group=None, *, sizes: list[int] | None = None) -> tor
         return out
 
 
-def ring_all_reduce(tensor, group=None, op: str = "sum", *, check: bool = True) -> torch.Tensor:
-    """Reduce `tensor` over the ranks of `group` in place (reduce-scatter, then all-gather); returns it."""
+def ring_all_reduce(tensor, group=None, op: str = "sum", *, check: bool = True,
+                    piece_bytes: int = PIECE_BYTES) -> torch.Tensor:
+    """Reduce `tensor` over the ranks of `group` in place (reduce-scatter, then all-gather); returns it.
+
+    `piece_bytes`: each step's chunk travels in pieces of about this size, two in flight, each reduced while the
+    next travels (`_ring_step`); a value at least the chunk's size sends it whole, the unpipelined ring whose
+    addition waits for the whole chunk (chapter 4 compares the two with the α-β-γ model, `cost.ring_pieces_time`).
+    Every rank must pass the same value.
+    """
+    validation.positive_int("piece_bytes", piece_bytes, hint="(bytes per piece of a ring step's chunk)")
     rank, n, flat = _prepare("ring_all_reduce", "tensor", tensor, group, op, check)  # flat: (S,)
     with scope("ring_all_reduce", tensor):
         sizes = chunk_sizes(flat.numel(), n)
-        mine = _ring_reduce_scatter_flat(flat, sizes, rank, n, group, in_place=True)  # view of my chunk, reduced
-        if op == "avg":
+        mine = _ring_reduce_scatter_flat(flat, sizes, rank, n, group, in_place=True, piece_bytes=piece_bytes)
+        if op == "avg":  # mine: a view of my chunk, reduced
             mine.div_(n)
-        _ring_all_gather_flat(flat, sizes, rank, n, group)
+        _ring_all_gather_flat(flat, sizes, rank, n, group, piece_bytes)
         return _write_back(tensor, flat)
 
 

@@ -42,7 +42,8 @@ import numpy as np
 
 from llmlab import validation
 
-__all__ = ["Link", "LINKS", "Fit", "COLLECTIVES", "collective_time", "ring_allreduce_time", "tree_allreduce_time",
+__all__ = ["Link", "LINKS", "Fit", "COLLECTIVES", "collective_time", "ring_allreduce_time", "ring_pieces_time",
+           "tree_allreduce_time",
            "reduce_scatter_time", "all_gather_time", "all_to_all_time", "broadcast_time", "algorithm_bandwidth",
            "bus_bandwidth", "fit_alpha_beta", "crossover_bytes", "link_times", "NODE_LINKS", "NETWORK_LINKS",
            "C15_STEP", "gradient_allreduce_times"]
@@ -88,6 +89,21 @@ def collective_time(collective: str, nbytes: float, n: int, alpha: float, beta: 
 def ring_allreduce_time(nbytes, n, alpha, beta) -> float:
     """2(n−1)α + 2(n−1)/n·S·β."""
     return collective_time("ring_all_reduce", nbytes, n, alpha, beta)
+
+
+def ring_pieces_time(nbytes, n, alpha, beta, gamma, pieces: int) -> float:
+    """The ring all-reduce with a reduction cost γ (seconds per byte added) and each step's chunk of m = S/n bytes
+    cut into `pieces` pieces, each added while the next travels: per reduce-scatter step a two-stage pipeline of
+    k pieces, send (α + m/k·β) then add (m/k·γ), taking send + add + (k−1)·max(send, add); per all-gather step
+    k sends, k·α + m·β. With k = 1 the add waits for the whole chunk: α + m·β + m·γ per reduce-scatter step.
+    More pieces hide the adds (all but the last piece's) and pay k·α: the best k is about √(m·γ/α) when β ≥ γ.
+    """
+    _check(nbytes, n, alpha, beta)
+    if not (gamma >= 0 and isinstance(pieces, int) and pieces >= 1):
+        raise ValueError(f"gamma={gamma!r} must be ≥ 0 and pieces={pieces!r} an int ≥ 1")
+    k, m = pieces, nbytes / n
+    send, add = alpha + m / k * beta, m / k * gamma
+    return (n - 1) * (send + add + (k - 1) * max(send, add)) + (n - 1) * (k * alpha + m * beta)
 
 
 def tree_allreduce_time(nbytes, n, alpha, beta, pipelined: bool = True) -> float:
