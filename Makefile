@@ -55,7 +55,7 @@ flake: $(STAMP)
 gpu-suite:
 	$(PYTHON) tools/gpu_suite.py $(if $(WHEELS),--wheels $(WHEELS))
 
-# The same suite on this CPU, every GPU-only branch run with tiny sizes and CPU stand-ins (LLMLAB_GPU_SMOKE=1); CI.
+# The same suite on this CPU, every GPU-only branch run with tiny sizes and CPU stand-ins (LLMLAB_GPU_SMOKE=2); CI.
 gpu-suite-cpu: $(STAMP)
 	$(BIN)/python tools/gpu_suite.py --smoke --budget 1500
 

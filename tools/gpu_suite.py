@@ -30,10 +30,10 @@ OUT/site-packages, with `pip install --no-index --no-deps`, each wheel whose dis
 has is kept: it was installed with torch, and replacing it could break torch), then llmlab itself from this clone,
 and runs the parts with that folder on PYTHONPATH.
 
-CPU mode (CI, `make gpu-suite-cpu`): `--smoke` runs the same parts on the CPU with LLMLAB_GPU_SMOKE=1, the mode in
-which every GPU-only branch of the chapters, benches and claims runs with tiny sizes and CPU stand-ins for the
-CUDA-only calls (`llmlab.runtime`): a typo in a GPU branch fails here, not in a workshop. Its records are stand-in
-runs, named `…-smoke.json`, and never go to results/.
+CPU mode (CI, `make gpu-suite-cpu`): `--smoke` runs the same parts on the CPU with LLMLAB_GPU_SMOKE=2 (two stand-in
+GPUs, so the branches for several GPUs run too), the mode in which every GPU-only branch of the chapters, benches and
+claims runs with tiny sizes and CPU stand-ins for the CUDA-only calls (`llmlab.runtime`): a typo in a GPU branch fails
+here, not in a workshop. Its records are stand-in runs, named `…-smoke.json`, and never go to results/.
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def part_benches(out: Path, clock: Clock, slug: str, env: dict[str, str], cwd: P
 def run_suite(out: Path, parts: list[str], budget: float, jobs: int, smoke: bool, wheels: Path | None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TQDM_DISABLE="1")
     if smoke:
-        env["LLMLAB_GPU_SMOKE"] = "1"
+        env["LLMLAB_GPU_SMOKE"] = "2"  # two stand-in GPUs: the branches for several GPUs run too
     outcomes: list[Outcome] = []
     out.mkdir(parents=True, exist_ok=True)
     cwd = ROOT  # where the parts run: here llmlab is the project's editable install
@@ -249,6 +249,9 @@ def run_suite(out: Path, parts: list[str], budget: float, jobs: int, smoke: bool
         site, cwd = out / "site-packages", out
         outcomes.append(install(wheels, site, env))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH", "")]))
+        # the wheels' data files (nbconvert's page templates) are under site/share/jupyter
+        env["JUPYTER_PATH"] = os.pathsep.join(filter(None, [str(site / "share" / "jupyter"),
+                                                            env.get("JUPYTER_PATH", "")]))
     clock = Clock(budget)
     slug = "smoke" if smoke else _device_slug(env, cwd)
     logs = out / "logs"
@@ -256,9 +259,9 @@ def run_suite(out: Path, parts: list[str], budget: float, jobs: int, smoke: bool
         outcomes.append(run_boxed("doctor", [sys.executable, "-m", "llmlab.cli", "doctor"],
                                   clock.allow(LIMITS["doctor"]), logs / "doctor.log", env, cwd))  # fmt: skip
     if "pytest" in parts:
-        # --import-mode=append: the test folders go after PYTHONPATH on sys.path, so the installed llmlab is found
+        # --import-mode=importlib: pytest puts no test folder on sys.path, so the installed llmlab is found
         argv = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
-                "-p", "no:nbval", "--rootdir", str(ROOT), "--import-mode=append",
+                "-p", "no:nbval", "--rootdir", str(ROOT), "--import-mode=importlib",
                 *[str(ROOT / f) for f in _gpu_test_files()]]
         outcomes.append(run_boxed("pytest -m gpu", argv, clock.allow(LIMITS["pytest"]), logs / "pytest.log", env,
                                   cwd))  # fmt: skip
