@@ -159,8 +159,9 @@ def test_saved_bytes_same_on_gpu_and_the_allocator_peak_sees_them():
         for device in ("cpu", "cuda"):
             torch.manual_seed(0)
             model = GPT(GPTConfig.preset("tiny", dropout=dropout)).to(device)
+            x = idx.to(device)  # one tensor as input and target, on both devices (two copies would count twice)
             with measure.SavedActivations() as saved:
-                model(idx.to(device), idx.to(device))
+                model(x, x)
             counts[dropout, device] = saved.bytes
     assert counts[0.0, "cpu"] == counts[0.0, "cuda"]
     assert counts[0.1, "cuda"] < counts[0.1, "cpu"]

@@ -57,6 +57,10 @@ BENCHES = ("gemm", "precision", "checkpoint", "compress", "quant", "moe", "zero"
 # seconds each piece may take at most (a bench or a chapter is one piece): compilation and autotuning included
 LIMITS = {"doctor": 90, "pytest": 150, "bench": 75, "bench gemm": 150, "chapter": 180, "install": 240}
 NODE_HAS = ("torch", "triton", "numpy")  # never carried: the node's own builds (CUDA) must stay
+# what the parts import, checked once installed; jupyter_core.paths needs platformdirs, which nbconvert's import of
+# its exporters swallows when missing
+IMPORTS = ("jupyter_core.paths", "nbconvert.exporters.html", "nbclient", "ipykernel.kernelapp", "ipywidgets",
+           "matplotlib.pyplot", "llmlab.kernels.gemm", "llmlab.site")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64")
 
@@ -184,8 +188,12 @@ def install(wheels: Path, site: Path, env: dict[str, str]) -> Outcome:
            str(site)]
     steps = [pip + [str(w) for w in missing]] if missing else []
     steps.append(pip + ["--no-build-isolation", str(ROOT)])  # llmlab itself (with llmlab.kernels from kernels/)
+    # then every module the parts import, in a fresh process with `site` on the path: a dependency the node lacks
+    # and the folder does not carry shows here by name (nbconvert, for one, hides it: its exporters are then absent)
+    steps.append([sys.executable, "-c", f"import importlib; [importlib.import_module(m) for m in {IMPORTS!r}]"])
     for argv in steps:
-        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LIMITS["install"])
+        done = subprocess.run(argv, cwd=site.parent, env=dict(env, PYTHONPATH=str(site)), capture_output=True,
+                              text=True, timeout=LIMITS["install"])  # fmt: skip
         if done.returncode:
             return Outcome("install", "failed", time.monotonic() - started, (done.stderr or done.stdout)[-300:])
     return Outcome("install", "ok", time.monotonic() - started,
@@ -226,9 +234,10 @@ def part_chapters(out: Path, clock: Clock, jobs: int, env: dict[str, str], cwd: 
         return list(pool.map(one, chapters))
 
 
-def part_benches(out: Path, clock: Clock, slug: str, env: dict[str, str], cwd: Path) -> list[Outcome]:
+def part_benches(out: Path, clock: Clock, slug: str, env: dict[str, str], cwd: Path,
+                 benches=BENCHES) -> list[Outcome]:
     outcomes = []
-    for name in BENCHES:
+    for name in benches:
         record = out / "results" / f"{name}-{slug}.json"
         argv = [sys.executable, "-m", "llmlab.cli", "bench", name, "--json", str(record)]
         limit = clock.allow(LIMITS.get(f"bench {name}", LIMITS["bench"]))
@@ -236,7 +245,8 @@ def part_benches(out: Path, clock: Clock, slug: str, env: dict[str, str], cwd: P
     return outcomes
 
 
-def run_suite(out: Path, parts: list[str], budget: float, jobs: int, smoke: bool, wheels: Path | None) -> int:
+def run_suite(out: Path, parts: list[str], budget: float, jobs: int, smoke: bool, wheels: Path | None,
+              benches=BENCHES) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TQDM_DISABLE="1")
     if smoke:
         env["LLMLAB_GPU_SMOKE"] = "2"  # two stand-in GPUs: the branches for several GPUs run too
@@ -266,7 +276,7 @@ def run_suite(out: Path, parts: list[str], budget: float, jobs: int, smoke: bool
         outcomes.append(run_boxed("pytest -m gpu", argv, clock.allow(LIMITS["pytest"]), logs / "pytest.log", env,
                                   cwd))  # fmt: skip
     if "bench" in parts:
-        outcomes += part_benches(out, clock, slug, env, cwd)
+        outcomes += part_benches(out, clock, slug, env, cwd, benches)
     if "chapters" in parts:
         outcomes += part_chapters(out, clock, jobs, env, cwd)
     summary = "\n".join(o.line() for o in outcomes)
@@ -290,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wheels", type=Path, help="install what is missing from this wheel folder first")
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "gpu-suite")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)}")
+    parser.add_argument("--benches", default=",".join(BENCHES), help="the benches of the bench part, in order")
     parser.add_argument("--budget", type=float, default=540, help="seconds for all the parts together")
     parser.add_argument("--jobs", type=int, default=None, help="chapters at once (default: cores // 4, ≥ 1)")
     parser.add_argument("--smoke", action="store_true", help="CPU mode: GPU branches on the CPU, tiny sizes")
@@ -301,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if unknown := sorted(set(parts) - set(PARTS)):
         parser.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    benches = [b.strip() for b in args.benches.split(",") if b.strip()]
+    if unknown := sorted(set(benches) - set(BENCHES)):
+        parser.error(f"--benches: unknown {', '.join(unknown)}; choose from {', '.join(BENCHES)}")
     if not args.budget > 0:
         parser.error(f"--budget={args.budget}: must be a positive number of seconds")
     if args.wheels is not None and not args.wheels.is_dir():
@@ -309,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     if jobs < 1:
         parser.error(f"--jobs={jobs}: must be at least 1")
     return run_suite(args.out.resolve(), parts, args.budget, jobs, args.smoke,
-                     args.wheels.resolve() if args.wheels else None)  # fmt: skip
+                     args.wheels.resolve() if args.wheels else None, benches)  # fmt: skip
 
 
 if __name__ == "__main__":
