@@ -50,9 +50,9 @@ def check_versions() -> tuple[bool, str]:
 
 def check_devices() -> tuple[bool, str]:
     devices = [f"cpu: {hardware.device_name('cpu')}, {torch.get_num_threads()} threads"]
-    for i in range(torch.cuda.device_count()):
-        props = torch.cuda.get_device_properties(i)
-        devices.append(f"cuda:{i}: {props.name}, {props.total_memory / 2**30:.0f} GiB")
+    for i in range(runtime.device_count()):
+        props = runtime.device_properties(i)
+        devices.append(f"gpu {i}: {props.name}, {props.total_memory / 2**30:.0f} GiB")
     return True, " · ".join(devices)
 
 
@@ -65,7 +65,7 @@ def check_speed() -> tuple[bool, str]:
 def _all_reduce_rank() -> list[float]:
     """On each rank: all-reduce (sum) a tensor of rank + 1; every rank must get 1 + 2 + … + world_size."""
 
-    device = torch.device("cuda", td.get_rank()) if td.get_backend() == "nccl" else torch.device("cpu")
+    device = runtime.device()  # an NCCL rank's GPU; a gloo rank's CPU
     t = torch.full((4,), td.get_rank() + 1.0, device=device)
     td.all_reduce(t)
     return t.tolist()

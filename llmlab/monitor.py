@@ -1,7 +1,8 @@
 """Watch a training run: metrics per step, TensorBoard event files, a live plot, a profiler split, GPU stats.
 
 The material (§6.3 and its closing advice) asks to watch GPU utilisation (nvidia-smi), communication time
-(PyTorch profiler) and memory (torch.cuda.memory_allocated()), with TensorBoard or WandB, while training runs.
+(PyTorch profiler) and memory (torch.cuda.memory_allocated(), here `runtime.memory_allocated()`), with TensorBoard
+or WandB, while training runs.
 
     from llmlab.monitor import Monitor, profile_step, gpu_stats
     with Monitor(logdir="runs/ch06", live=True) as monitor:    # live: a plot in the notebook, updated in place
@@ -10,7 +11,7 @@ The material (§6.3 and its closing advice) asks to watch GPU utilisation (nvidi
     monitor.history["loss"]                                    # [(step, value), ...]
     print(monitor.timed("step_time_s"))                        # every step's time: "41.2 ms ±9%" (timing.Timing)
     profile_step(step_fn)                                      # {"compute": s, "communication": s, "other": s, ...}
-    gpu_stats()                                                # None on a CPU machine
+    gpu_stats()                                                # None on a CPU machine (the CPU's under smoke mode)
 
 `import llmlab.monitor` loads neither TensorBoard nor IPython: they are imported when asked for.
 """
@@ -23,10 +24,9 @@ import subprocess
 import time
 from collections.abc import Callable
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
-from llmlab import timing, validation
+from llmlab import runtime, timing, validation
 
 __all__ = ["Monitor", "profile_step", "gpu_stats", "memory_bytes", "COMM_PREFIXES"]
 
@@ -42,17 +42,23 @@ def memory_bytes() -> int:
     """Memory in use now: the CUDA allocator's peak since the last call on a GPU (reset after reading),
     else this process's resident set (psutil), which is what a CPU run has in place of device memory."""
 
-    if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        return int(peak)
-    import psutil  # optional dependency
-
-    return int(psutil.Process().memory_info().rss)
+    device = runtime.device()
+    if device.type != "cuda":
+        return runtime.memory_allocated(device)  # the resident set
+    peak = runtime.max_memory_allocated(device)
+    runtime.reset_peak_memory_stats(device)
+    return peak
 
 
 def gpu_stats() -> dict | None:
-    """GPU 0's utilisation (%) and memory used/total (bytes) from NVML, or None where there is no GPU/NVML."""
+    """GPU 0's utilisation (%) and memory used/total (bytes), and their `source` ("NVML" or "nvidia-smi"), or None
+    where there is no GPU/NVML. Under smoke mode (`llmlab.runtime`) the CPU's, standing in for the GPU (psutil)."""
+    if runtime.tier().smoke:
+        import psutil  # a dependency of llmlab (the grader's process handling)
+
+        memory = psutil.virtual_memory()
+        return {"utilization": psutil.cpu_percent(interval=0.1), "memory_used": int(memory.total - memory.available),
+                "memory_total": int(memory.total), "source": "psutil: smoke mode's CPU"}
     try:
         import pynvml  # optional: NVIDIA's bindings, on GPU machines
     except ImportError:
@@ -61,7 +67,8 @@ def gpu_stats() -> dict | None:
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
         util, mem = pynvml.nvmlDeviceGetUtilizationRates(handle), pynvml.nvmlDeviceGetMemoryInfo(handle)
-        return {"utilization": float(util.gpu), "memory_used": int(mem.used), "memory_total": int(mem.total)}
+        return {"utilization": float(util.gpu), "memory_used": int(mem.used), "memory_total": int(mem.total),
+                "source": "NVML"}
     except pynvml.NVMLError:
         return None
 
@@ -76,7 +83,8 @@ def _nvidia_smi() -> dict | None:
     if out.returncode != 0:
         return None
     util, used, total = (float(v) for v in out.stdout.strip().split(","))
-    return {"utilization": util, "memory_used": int(used * 2**20), "memory_total": int(total * 2**20)}
+    return {"utilization": util, "memory_used": int(used * 2**20), "memory_total": int(total * 2**20),
+            "source": "nvidia-smi"}
 
 
 def profile_step(fn: Callable, *args, **kwargs) -> dict:
@@ -92,13 +100,13 @@ def profile_step(fn: Callable, *args, **kwargs) -> dict:
     # Kineto prints "profiler_start"/"profiler_stop" lines at every profile unless told otherwise before its first
     # use in the process; on a Cluster of ranks that is two lines per rank per call (the user's setting wins)
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    cuda = torch.cuda.is_available()
+    device = runtime.device()
+    cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         fn(*args, **kwargs)
-        if cuda:
-            torch.cuda.synchronize()
+        runtime.synchronize(device)
         wall = time.perf_counter() - start
     compute = communication = 0.0
     for e in prof.key_averages():

@@ -5,9 +5,27 @@
 | cpu       | cpu             | gloo                  | interpreter (TRITON_INTERPRET=1) |
 | gpu       | cuda:0          | nccl (one rank per GPU) or gloo | compiled              |
 | multi-gpu | cuda:LOCAL_RANK | nccl (torchrun)       | compiled                        |
+| gpu-smoke, multi-gpu-smoke | cpu | gloo              | interpreter (see smoke mode)    |
 
 Set `LLMLAB_DEVICE=cpu` to force the CPU tier on a GPU machine (what CI and the notebooks' tests do when
 they must behave as on a laptop).
+
+**Smoke mode.** `LLMLAB_GPU_SMOKE=N` (N ≥ 1) makes this a GPU tier of N stand-in GPUs that computes on the CPU:
+`tier().is_gpu` is true, so every GPU-only branch of the chapters, benches and claims runs, but `device()` stays
+the CPU, `backend()` gloo, Triton interpreted, and `preset("gpu")` shrinks to sizes a 2-core CPU runs in seconds.
+A typo or a wrong API in a GPU branch then fails on any machine. The tier is named `gpu-smoke` (`multi-gpu-smoke`)
+and `describe()`, at the top of every chapter, says that the CPU stands in: nothing measured in this mode is a
+GPU's figure. A GPU-only branch asks `tier().is_gpu` (true under smoke mode); what must know whether memory is
+really CUDA's asks the device, `device().type == "cuda"` (false under smoke mode: sizes, dtypes, the profiler's
+CUDA activity follow the device that computes). Code never calls `torch.cuda` itself but the helpers below, which
+call it on a CUDA device and return the CPU's honest counterpart elsewhere (the process's resident memory for the
+allocator's counters, the CPU's name, memory, cores and last-level cache for the device's properties):
+
+    runtime.synchronize(device)               # torch.cuda.synchronize on CUDA; nothing on the CPU (synchronous)
+    runtime.memory_allocated(device)          # the allocator's bytes in use; on CPU the process's resident set
+    runtime.reset_peak_memory_stats(device); ...; runtime.max_memory_allocated(device)   # CPU: resident peak
+    runtime.device_properties(device)         # .name .total_memory .multi_processor_count .l2_cache_size
+    runtime.device_count()                    # the GPUs of this tier (the stand-ins under smoke mode)
 
 Usage::
 
@@ -19,13 +37,16 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import random
+import re
 import sys
 import warnings
 from dataclasses import dataclass, replace
 from importlib import metadata
+from pathlib import Path
 
 __all__ = [
     "Tier",
@@ -38,7 +59,21 @@ __all__ = [
     "preset",
     "seed_everything",
     "describe",
+    "DeviceProperties",
+    "set_device",
+    "device_count",
+    "device_properties",
+    "synchronize",
+    "memory_allocated",
+    "max_memory_allocated",
+    "reset_peak_memory_stats",
+    "empty_cache",
+    "set_memory_fraction",
+    "cuda_rng_states",
+    "set_cuda_rng_states",
 ]
+
+SMOKE_GPU_NAME = "smoke: the CPU standing in for a GPU"
 
 
 @dataclass(frozen=True)
@@ -46,18 +81,33 @@ class Tier:
     name: str  # "cpu" | "gpu" | "multi-gpu"
     n_gpus: int
     gpu_name: str | None
+    smoke: bool = False  # LLMLAB_GPU_SMOKE: a GPU tier whose GPUs are the CPU standing in
 
     @property
     def is_gpu(self) -> bool:
         return self.name != "cpu"
 
 
+def _smoke_gpus() -> int:
+    """The stand-in GPUs LLMLAB_GPU_SMOKE asks for (0: smoke mode off)."""
+    value = os.environ.get("LLMLAB_GPU_SMOKE", "").strip()
+    if value in ("", "0"):
+        return 0
+    if not value.isdigit():
+        raise ValueError(f"LLMLAB_GPU_SMOKE={value!r}: expected the number of stand-in GPUs (1, 2, …) or 0 (off)")
+    return int(value)
+
+
 @functools.lru_cache(maxsize=1)
 def tier() -> Tier:
-    """The tier of this process: CPU unless CUDA is usable (and LLMLAB_DEVICE is not 'cpu')."""
+    """The tier of this process: CPU unless CUDA is usable (and LLMLAB_DEVICE is not 'cpu'); under
+    LLMLAB_GPU_SMOKE=N a GPU tier of N stand-ins that computes on the CPU (see the module's docstring)."""
     forced = os.environ.get("LLMLAB_DEVICE", "").lower()
     if forced not in ("", "cpu", "cuda", "gpu"):
         raise ValueError(f"LLMLAB_DEVICE={forced!r}: expected 'cpu' or 'cuda'")
+    smoke = _smoke_gpus()
+    if smoke:
+        return Tier("gpu-smoke" if smoke == 1 else "multi-gpu-smoke", smoke, SMOKE_GPU_NAME, smoke=True)
     import torch  # torch loads in seconds: `import llmlab` stays light
 
     if forced == "cpu" or not torch.cuda.is_available():
@@ -77,7 +127,7 @@ def device():
     import torch  # torch loads in seconds: `import llmlab` stays light
 
     t = tier()
-    if not t.is_gpu or os.environ.get("LLMLAB_RANK_DEVICE") == "cpu":
+    if _on_cpu() or os.environ.get("LLMLAB_RANK_DEVICE") == "cpu":
         return torch.device("cpu")
     return torch.device("cuda", _local_rank() % t.n_gpus)
 
@@ -90,7 +140,7 @@ def backend(world_size: int = 1) -> str:
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
     t = tier()
-    return "nccl" if t.is_gpu and world_size <= t.n_gpus else "gloo"
+    return "nccl" if t.is_gpu and not t.smoke and world_size <= t.n_gpus else "gloo"
 
 
 _GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")  # NVIDIA's driver, AMD's ROCm
@@ -100,7 +150,7 @@ def _cpu_without_torch() -> bool:
     """Whether this is the CPU tier for sure, decided without importing torch (which takes seconds)."""
     forced = os.environ.get("LLMLAB_DEVICE", "").lower()
     no_gpu = os.environ.get("CUDA_VISIBLE_DEVICES") == "" or not any(map(os.path.exists, _GPU_DEVICE_FILES))
-    return forced == "cpu" or (forced == "" and no_gpu)
+    return forced == "cpu" or _smoke_gpus() > 0 or (forced == "" and no_gpu)
 
 
 def configure_triton(probe_torch: bool = True) -> bool:
@@ -113,13 +163,19 @@ def configure_triton(probe_torch: bool = True) -> bool:
     GPU device files alone, cheaply, before anything imports triton. `llmlab.kernels` calls it again on import
     (`probe_torch=True`: asks torch whether CUDA works) for machines where only torch can tell.
     """
-    if "TRITON_INTERPRET" not in os.environ and (_cpu_without_torch() or probe_torch and not tier().is_gpu):
+    if "TRITON_INTERPRET" not in os.environ and (_cpu_without_torch() or probe_torch and _on_cpu()):
         os.environ["TRITON_INTERPRET"] = "1"
         if "triton" in sys.modules:
             warnings.warn("triton was imported before llmlab chose its interpreter: Triton kernels will fail on "
                           "this CPU; set TRITON_INTERPRET=1 before starting Python, or import llmlab first",
                           RuntimeWarning, stacklevel=2)
     return triton_interpreted()
+
+
+def _on_cpu() -> bool:
+    """Whether this tier computes on the CPU: the CPU tier, or smoke mode's stand-in GPUs."""
+    t = tier()
+    return not t.is_gpu or t.smoke
 
 
 def triton_interpreted() -> bool:
@@ -138,23 +194,30 @@ class Preset:
     world_size: int  # ranks a chapter spawns for its multi-rank demos
     gemm_sizes: tuple[int, ...]
     allreduce_max_bytes: int
+    large_model: str  # a GPT large enough to be bound by its matmuls (a GPU's tensor cores busy)
+    peak_gemm: int  # n of the n³ GEMM that reaches the device's peak
 
 
 PRESETS = {
     "cpu": Preset("cpu", model="tiny", batch_size=16, block_size=64, train_steps=200, world_size=2,
-                  gemm_sizes=(16, 33, 64), allreduce_max_bytes=4 << 20),
+                  gemm_sizes=(16, 33, 64), allreduce_max_bytes=4 << 20, large_model="small", peak_gemm=1024),
     "gpu": Preset("gpu", model="small", batch_size=32, block_size=256, train_steps=2000, world_size=1,
-                  gemm_sizes=(1024, 2048, 4096), allreduce_max_bytes=256 << 20),
+                  gemm_sizes=(1024, 2048, 4096), allreduce_max_bytes=256 << 20, large_model="medium",
+                  peak_gemm=8192),
 }
+# smoke mode's "gpu" preset: every GPU branch in seconds on a 2-core CPU (see the module's docstring)
+SMOKE_PRESET = Preset("gpu-smoke", model="tiny", batch_size=4, block_size=32, train_steps=10, world_size=1,
+                      gemm_sizes=(16, 32), allreduce_max_bytes=64 << 10, large_model="tiny", peak_gemm=64)
 
 
 def preset(name: str | None = None, **overrides) -> Preset:
-    """The size preset for `name` ('cpu' or 'gpu'; default: this tier's), with fields overridden."""
+    """The size preset for `name` ('cpu' or 'gpu'; default: this tier's), with fields overridden. Under smoke mode
+    'gpu' is SMOKE_PRESET: tiny sizes."""
     if name is None:
         name = "gpu" if tier().is_gpu else "cpu"
     if name not in PRESETS:
         raise ValueError(f"preset {name!r} unknown; choose from {sorted(PRESETS)}")
-    p = PRESETS[name]
+    p = SMOKE_PRESET if name == "gpu" and tier().smoke else PRESETS[name]
     if name == "gpu":
         p = replace(p, world_size=max(1, tier().n_gpus))
     return replace(p, **overrides) if overrides else p
@@ -177,7 +240,161 @@ def describe() -> str:
     import torch  # torch loads in seconds: `import llmlab` stays light
 
     t = tier()
-    where = f"{t.n_gpus}× {t.gpu_name}" if t.is_gpu else f"CPU ({os.cpu_count()} cores)"
-    triton_mode = "interpreted" if (triton_interpreted() or not t.is_gpu) else "compiled"
+    cpu = f"CPU ({os.cpu_count()} cores)"
+    where = (f"{cpu} standing in for {t.n_gpus} GPU(s): a smoke run, no GPU measured" if t.smoke
+             else f"{t.n_gpus}× {t.gpu_name}" if t.is_gpu else cpu)
+    triton_mode = "interpreted" if (triton_interpreted() or _on_cpu()) else "compiled"
     return (f"llmlab {metadata.version('llmlab')} · {t.name} tier · {where} · device {device()} · "
             f"backend {backend(max(1, t.n_gpus))} · Triton {triton_mode} · torch {torch.__version__}")
+
+
+# --- CUDA's calls with the CPU's counterparts: the one place llmlab calls torch.cuda ------------------------------
+
+_STATUS, _CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")  # Linux's per-process memory files
+
+
+def _resolve(where):
+    """`where` as a torch.device: None is this tier's device, an int the GPU of that index (the CPU where this
+    tier computes on the CPU)."""
+    import torch  # torch loads in seconds: `import llmlab` stays light
+
+    if where is None:
+        return device()
+    if isinstance(where, int):
+        return torch.device("cpu") if _on_cpu() else torch.device("cuda", where)
+    return torch.device(where)
+
+
+def set_device(index: int) -> None:
+    """Make GPU `index` this process's current CUDA device (an NCCL rank's own GPU)."""
+    import torch  # torch loads in seconds: `import llmlab` stays light
+
+    torch.cuda.set_device(index)
+
+
+def device_count() -> int:
+    """The GPUs of this tier (smoke mode's stand-ins included): 0 on the CPU tier."""
+    return tier().n_gpus
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    name: str
+    total_memory: int  # bytes
+    multi_processor_count: int  # a GPU's SMs; a CPU's logical cores
+    l2_cache_size: int  # bytes of the last-level cache: a GPU's L2, a CPU's largest (sysfs); 0 if unknown
+
+
+def device_properties(device=None) -> DeviceProperties:
+    """What `device` (default: this tier's; an int: that GPU) is: torch.cuda.get_device_properties on CUDA, the
+    CPU's model, memory, cores and last-level cache elsewhere (named as a smoke stand-in under smoke mode)."""
+    import psutil  # a dependency of llmlab (the grader's process handling)
+    import torch  # torch loads in seconds: `import llmlab` stays light
+
+    from llmlab.hardware import machine  # imports this module: only when asked
+
+    d = _resolve(device)
+    if d.type == "cuda":
+        props = torch.cuda.get_device_properties(d)
+        return DeviceProperties(props.name, int(props.total_memory), int(props.multi_processor_count),
+                                int(getattr(props, "L2_cache_size", 0)))
+    name = machine.device_name(d) + (f" ({SMOKE_GPU_NAME})" if tier().smoke else "")
+    return DeviceProperties(name, int(psutil.virtual_memory().total), os.cpu_count() or 1, machine.cache_bytes(d))
+
+
+def synchronize(device=None) -> None:
+    """Wait until `device`'s queued kernels have run (torch.cuda.synchronize); a CPU computes synchronously."""
+    import torch  # torch loads in seconds: `import llmlab` stays light
+
+    if _resolve(device).type == "cuda":
+        torch.cuda.synchronize(device)  # None: the current CUDA device, as this tier's is
+
+
+def memory_allocated(device=None) -> int:
+    """Bytes the CUDA caching allocator holds in tensors on `device`; on a CPU, which has no such counter, this
+    process's resident set (it also holds the interpreter, the libraries and freed memory not yet returned)."""
+    import psutil  # a dependency of llmlab (the grader's process handling)
+    import torch  # torch loads in seconds: `import llmlab` stays light
+
+    d = _resolve(device)
+    if d.type == "cuda":
+        return int(torch.cuda.memory_allocated(d))
+    return int(psutil.Process().memory_info().rss)
+
+
+def max_memory_allocated(device=None) -> int:
+    """The allocator's peak since `reset_peak_memory_stats`; on a CPU the resident set's peak (Linux's VmHWM,
+    which the reset restarts; elsewhere the current resident set, a lower bound)."""
+    import torch  # torch loads in seconds: `import llmlab` stays light
+
+    d = _resolve(device)
+    if d.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(d))
+    peak = re.search(r"VmHWM:\s+(\d+) kB", _STATUS.read_text()) if _STATUS.is_file() else None
+    return max(int(peak.group(1)) << 10 if peak else 0, memory_allocated(d))
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    """Restart `max_memory_allocated`'s peak from what is held now (on a CPU: Linux's resident peak)."""
+    import torch  # torch loads in seconds: `import llmlab` stays light
+
+    d = _resolve(device)
+    if d.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(d)
+    elif _CLEAR_REFS.is_file():
+        with contextlib.suppress(OSError):  # not writable (a locked-down container): the peak stays the process's
+            _CLEAR_REFS.write_text("5")  # Linux ≥ 4.0: VmHWM restarts from the current resident set
+
+
+def set_memory_fraction(fraction: float, device=None) -> None:
+    """Cap the CUDA caching allocator at `fraction` of `device`'s memory: past it, OutOfMemoryError. A CPU has no
+    allocator to cap (`llmlab.diagnose.oom.enforced_budget` is its counterpart): refused."""
+    import torch  # torch loads in seconds: `import llmlab` stays light
+
+    d = _resolve(device)
+    if d.type != "cuda":
+        raise ValueError(f"device={str(d)!r}: only a CUDA allocator can be capped; on a CPU use "
+                         "llmlab.diagnose.oom.enforced_budget")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction={fraction!r} must be in (0, 1]")
+    torch.cuda.set_per_process_memory_fraction(fraction, d)
+
+
+def __getattr__(name: str):
+    """`runtime.OutOfMemoryError`: CUDA's out-of-memory exception (torch.cuda.OutOfMemoryError), without
+    importing torch with this module."""
+    if name == "OutOfMemoryError":
+        import torch  # torch loads in seconds: `import llmlab` stays light
+
+        return torch.cuda.OutOfMemoryError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def empty_cache(device=None) -> None:
+    """Hand the CUDA caching allocator's unused blocks back to the driver; a CPU's allocator keeps no cache."""
+    import torch  # torch loads in seconds: `import llmlab` stays light
+
+    if _resolve(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def cuda_rng_states(devices: list[int] | None = None) -> list:
+    """The CUDA generators' states: of `devices` (indices), or of every GPU once CUDA is initialised ([] before,
+    and where there is no CUDA: nothing has drawn from them)."""
+    import torch  # torch loads in seconds: `import llmlab` stays light
+
+    if devices is None:
+        return torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return [torch.cuda.get_rng_state(d) for d in devices]
+
+
+def set_cuda_rng_states(states: list, devices: list[int] | None = None) -> None:
+    """Restore `cuda_rng_states(devices)`'s states (an empty list: nothing to restore)."""
+    import torch  # torch loads in seconds: `import llmlab` stays light
+
+    if devices is None:
+        if states:
+            torch.cuda.set_rng_state_all(states)
+        return
+    for d, state in zip(devices, states, strict=True):
+        torch.cuda.set_rng_state(state, d)

@@ -43,7 +43,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-import torch
+from llmlab import runtime
 
 __all__ = ["MAX_SPREAD", "Load", "Timing", "Comparison", "Rounds", "synchronize", "interleave", "measure",
            "compare", "remembered"]
@@ -53,8 +53,8 @@ MAX_SPREAD = 0.2  # a figure whose rounds spread more than ±20% around their me
 
 def synchronize(device) -> None:
     """Wait for `device`'s queued work (CUDA kernels run asynchronously); nothing to wait for on the CPU."""
-    if device is not None and torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+    if device is not None:
+        runtime.synchronize(device)
 
 
 @dataclass(frozen=True)
@@ -230,9 +230,10 @@ def interleave(fns: dict, *, device=None, warmup: int = 1, min_rounds: int = 5, 
                budget_s: float = 1.0, target_spread: float = 0.05, min_round_s: float = 2e-3) -> Rounds:
     """Time every function of `fns` ({name: fn}) in interleaved rounds; see the module's docstring for the method.
 
-    On a CUDA `device` the clock is read only after `torch.cuda.synchronize`, so a round is the kernels' time,
-    not their launch's. Rounds stop once every function's spread, or every ratio to the first function, is at most
-    `target_spread` (after `min_rounds`), when `budget_s` seconds of rounds are spent, or at `max_rounds`.
+    On a CUDA `device` the clock is read only after `torch.cuda.synchronize` (`runtime.synchronize`), so a round
+    is the kernels' time, not their launch's. Rounds stop once every function's spread, or every ratio to the first
+    function, is at most `target_spread` (after `min_rounds`), when `budget_s` seconds of rounds are spent, or at
+    `max_rounds`.
     """
     if not isinstance(fns, dict) or not fns or not all(callable(f) for f in fns.values()):
         raise ValueError(f"fns={fns!r} must be a non-empty dict of {{name: function}}")

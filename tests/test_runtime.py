@@ -1,9 +1,12 @@
 """The runtime tier: device, backend, Triton mode, presets, seeding; and the cost of `import llmlab`."""
 
+import ast
+import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +110,108 @@ def test_import_llmlab_is_fast_and_loads_no_jupyter():
     seconds, heavy = out.stdout.split(maxsplit=1)
     assert heavy.strip() == "[]", f"import llmlab pulled in {heavy}"
     assert float(seconds) < 2.0 and wall < 10.0  # wall includes the interpreter's own start
+
+
+@pytest.fixture
+def smoke(monkeypatch):
+    """Smoke mode with two stand-in GPUs, in this process (tier() is cached: cleared before and after)."""
+    monkeypatch.setenv("LLMLAB_GPU_SMOKE", "2")
+    monkeypatch.delenv("LLMLAB_DEVICE", raising=False)
+    runtime.tier.cache_clear()
+    yield
+    runtime.tier.cache_clear()
+
+
+def test_smoke_mode_is_a_gpu_tier_on_the_cpu(smoke, monkeypatch):
+    t = runtime.tier()
+    assert (t.name, t.n_gpus, t.is_gpu, t.smoke) == ("multi-gpu-smoke", 2, True, True)
+    assert runtime.device() == torch.device("cpu") and runtime.backend(2) == "gloo"  # never NCCL on the CPU
+    assert runtime._on_cpu() and runtime._cpu_without_torch()  # Triton interpreted
+    p = runtime.preset()
+    assert p == runtime.preset("gpu") and p.name == "gpu-smoke" and p.model == "tiny" and p.world_size == 2
+    assert max(p.gemm_sizes) <= 64 and p.peak_gemm <= 64  # seconds on a CPU
+    assert runtime.preset("cpu") == runtime.PRESETS["cpu"]
+    assert "smoke run, no GPU measured" in runtime.describe() and "Triton interpreted" in runtime.describe()
+    assert runtime.device_count() == 2 and "smoke" in runtime.device_properties(0).name
+    monkeypatch.setenv("LLMLAB_GPU_SMOKE", "yes")
+    runtime.tier.cache_clear()
+    with pytest.raises(ValueError, match="LLMLAB_GPU_SMOKE='yes'"):
+        runtime.tier()
+
+
+def test_cuda_helpers_have_cpu_counterparts():
+    cpu = torch.device("cpu")
+    runtime.synchronize(cpu)  # a CPU computes synchronously: returns at once
+    runtime.empty_cache(cpu)
+    runtime.reset_peak_memory_stats(cpu)
+    held = runtime.memory_allocated(cpu)
+    block = torch.ones(16 << 20, dtype=torch.uint8)  # 16 MiB, every page written
+    assert runtime.max_memory_allocated(cpu) >= max(held, block.numel())  # the resident peak holds the block
+    props = runtime.device_properties(cpu)
+    assert props.total_memory > props.l2_cache_size >= 0 and props.multi_processor_count >= 1 and props.name
+    with pytest.raises(ValueError, match="device='cpu'"):
+        runtime.set_memory_fraction(0.5, cpu)
+    if not torch.cuda.is_available():
+        assert runtime.cuda_rng_states() == [] and runtime.device_count() == 0
+        runtime.set_cuda_rng_states([])  # nothing drew from a CUDA generator: nothing to restore
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_helpers_call_cuda_on_a_gpu():
+    cuda = torch.device("cuda", 0)
+    runtime.reset_peak_memory_stats(cuda)
+    start = runtime.memory_allocated(cuda)
+    block = torch.ones(1 << 20, device=cuda)  # 4 MiB
+    runtime.synchronize(cuda)
+    assert runtime.memory_allocated(cuda) - start >= block.numel() * 4
+    assert runtime.max_memory_allocated(cuda) >= start + block.numel() * 4
+    props = runtime.device_properties(0)
+    assert props.name == torch.cuda.get_device_name(0)
+    assert props.total_memory > 0 and props.multi_processor_count > 0 and props.l2_cache_size > 0
+    states = runtime.cuda_rng_states([0])
+    first = torch.rand(3, device=cuda)
+    runtime.set_cuda_rng_states(states, [0])
+    assert torch.equal(torch.rand(3, device=cuda), first) and runtime.cuda_rng_states()  # initialised: every GPU's
+    runtime.set_memory_fraction(1.0, cuda)
+    runtime.empty_cache(cuda)
+    assert issubclass(runtime.OutOfMemoryError, RuntimeError)
+
+
+def _cuda_calls(source: str, where: str, allowed=frozenset()) -> list[str]:
+    """`torch.cuda.<name>` uses (but `allowed` names) and `.cuda()` calls in Python `source` (IPython's %/! lines
+    left out)."""
+    code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+    found = []
+    for node in ast.walk(ast.parse(code, where)):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "cuda"
+                and isinstance(node.value.value, ast.Name) and node.value.value.id == "torch"):
+            if node.attr not in allowed:
+                found.append(f"{where}:{node.lineno} torch.cuda.{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "cuda":
+            found.append(f"{where}:{node.lineno} .cuda()")
+    return found
+
+
+# torch.cuda names a module may use itself (runtime.py: all of them), each with why
+CUDA_CALLERS = {
+    "llmlab/dist/collectives.py": {"current_device"},  # _meta_device: runtime.device() requested of its owner
+    "llmlab/dist/allreduce_bench.py": {"synchronize"},  # _time_on_rank: runtime.synchronize requested of its owner
+    # the bench's CUDA graph capture: no CPU counterpart (its CPU path, run under smoke mode, replays nothing)
+    "kernels/gemm.py": {"Stream", "current_stream", "stream", "CUDAGraph", "graph"},
+}
+
+
+def test_cuda_is_called_only_through_runtime():
+    root = Path(__file__).resolve().parent.parent
+    found = []
+    for path in sorted([*root.glob("llmlab/**/*.py"), *root.glob("kernels/**/*.py")]):
+        where = path.relative_to(root).as_posix()
+        if where != "llmlab/runtime.py":  # the helpers, with the CPU's counterparts
+            found += _cuda_calls(path.read_text(), where, CUDA_CALLERS.get(where, ()))
+    for path in sorted([*root.glob("chapters/*.ipynb"), *root.glob("solutions/*.ipynb")]):
+        cells = json.loads(path.read_text())["cells"]
+        for i, cell in enumerate(cells):
+            if cell["cell_type"] == "code":
+                found += _cuda_calls("".join(cell["source"]), f"{path.relative_to(root).as_posix()} cell {i}")
+    assert not found, f"call CUDA through llmlab.runtime's helpers (they stand in under smoke mode): {found}"

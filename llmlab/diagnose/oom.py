@@ -16,8 +16,10 @@ state already resident, and raises `MemoryBudgetExceeded` — a `RuntimeError` w
 under it (on CUDA, under the real allocator capped by `torch.cuda.set_per_process_memory_fraction`) and returns
 what the step held at the end of its forward pass: model state + saved activations + the logits. For a step after
 the first (the optimizer's moments exist, `zero_grad(set_to_none=False)` keeps the gradients) that is the
-planner's `total - recompute`: with checkpointing, backward briefly adds one block's recomputed activations
-(`Plan.recompute`), which the CPU budget does not see; the CUDA allocator does.
+planner's `total - recompute`. The budget covers the forward on both devices (the cap is lifted for the backward):
+with checkpointing, backward briefly adds one block's recomputed activations (`Plan.recompute`) and the gradients of
+the activations, transients the planner's forward count leaves out. (On an H200 the backward under the same cap ran
+out of memory where the forward fit, the first GPU run of this module.)
 
 Claim C18 (the remedies' savings are predictable) is measured with this module in `llmlab.claims.ch07`.
 """
@@ -31,7 +33,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from llmlab import validation
+from llmlab import runtime, validation
 from llmlab.memory import checkpoint, measure, planner
 from llmlab.model import GPT, GPTConfig
 
@@ -200,14 +202,14 @@ def enforced_budget(budget_bytes: float | None, resident_bytes: int = 0):
 def _cuda_budget(device: torch.device, budget_bytes: float | None):
     """The real allocator, capped: torch.cuda.OutOfMemoryError past `budget_bytes` (the fraction is of the whole
     device, so what is already allocated counts against it, like the CPU budget's resident bytes)."""
-    total = torch.cuda.get_device_properties(device).total_memory
+    total = runtime.device_properties(device).total_memory
     budget_bytes = total if budget_bytes is None else budget_bytes
-    torch.cuda.empty_cache()
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
+    runtime.empty_cache(device)
+    runtime.set_memory_fraction(min(1.0, budget_bytes / total), device)
     try:
         yield
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        runtime.set_memory_fraction(1.0, device)
 
 
 @dataclass(frozen=True)
@@ -246,8 +248,8 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: to
                 with checkpoint.checkpointed(blocks):
                     logits, loss = model(x, y)  # (B, T, V), scalar
                 logits_bytes = measure.tensor_bytes(logits)
-                saved = torch.cuda.memory_allocated(x.device) - peak.start - logits_bytes
-                loss.backward()
+                saved = runtime.memory_allocated(x.device) - peak.start - logits_bytes
+            loss.backward()  # outside the cap, as on the CPU: the budget is the forward's (what the planner counts)
         else:
             with enforced_budget(budget_bytes, state) as budget, checkpoint.checkpointed(blocks):
                 logits, loss = model(x, y)  # (B, T, V), scalar
@@ -255,7 +257,7 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: to
                 budget.add(logits_bytes)
             loss.backward()
         optimizer.step()
-    except (MemoryBudgetExceeded, torch.cuda.OutOfMemoryError) as e:
+    except (MemoryBudgetExceeded, runtime.OutOfMemoryError) as e:
         return StepMemory(state, saved, logits_bytes, e)
     return StepMemory(state, saved, logits_bytes)
 

@@ -54,9 +54,11 @@ def _join(boot: dict):
     import torch  # after the rank's environment is set (device, backend)
     import torch.distributed as dist  # after the rank's environment is set (device, backend)
 
+    from llmlab import runtime  # after the rank's environment is set (device, backend)
+
     torch.set_num_threads(boot["threads"])
     if boot["backend"] == "nccl":
-        torch.cuda.set_device(rank)
+        runtime.set_device(rank)
     else:
         os.environ["LLMLAB_RANK_DEVICE"] = "cpu"
     store = dist.TCPStore("127.0.0.1", boot["store_port"], is_master=False,

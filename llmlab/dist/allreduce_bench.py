@@ -275,7 +275,7 @@ def _time_on_rank(sizes, repeats: int, span_s: float, impls=IMPLS) -> dict:
     burst, {impl: [[(start, end) of each repeat] per size]}, for each of `impls` (see `_op`)."""
 
     device, n, rank = runtime.device(), td.get_world_size(), td.get_rank()
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = lambda: runtime.synchronize(device)  # a no-op on the CPU
     buffers = [torch.zeros(nbytes // 4, device=device) for nbytes in sizes]  # (S/4,) fp32 each
     ops = {impl: _op(impl) for impl in impls}
     for nbytes, x in zip(sizes, buffers, strict=True):  # every size and implementation: is it right? (warm-up too)

@@ -56,7 +56,7 @@ import zlib
 import torch
 import torch.distributed as td
 
-from llmlab import validation
+from llmlab import runtime, validation
 from llmlab.dist.commlog import chunk_sizes, exchange, post, scope
 
 __all__ = ["chunk_sizes", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "tree_all_reduce",
@@ -98,7 +98,7 @@ def _meta_device(tensor, group) -> torch.device:
     """Where the metadata goes: beside the tensor, or where the backend wants it when there is no tensor."""
     if isinstance(tensor, torch.Tensor):
         return tensor.device
-    return torch.device("cuda", torch.cuda.current_device()) if td.get_backend(group) == "nccl" else torch.device("cpu")
+    return runtime.device() if td.get_backend(group) == "nccl" else torch.device("cpu")  # NCCL: cuda:LOCAL_RANK
 
 
 def _first_difference(values: list, what: str, show=str) -> str | None:

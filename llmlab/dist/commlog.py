@@ -51,6 +51,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as td
 
+from llmlab import runtime
+
 __all__ = ["CommLog", "Event", "OpStats", "post", "exchange", "scope", "chunk_sizes"]
 
 OpStats = namedtuple("OpStats", "calls bytes_sent bytes_received seconds")
@@ -86,8 +88,8 @@ def _append(event: Event, torch_wrapped: bool = False) -> None:
 
 
 def _sync(tensor) -> None:
-    if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-        torch.cuda.synchronize(tensor.device)
+    if isinstance(tensor, torch.Tensor):
+        runtime.synchronize(tensor.device)
 
 
 @contextmanager

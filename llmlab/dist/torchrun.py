@@ -93,7 +93,6 @@ def init_from_env(backend: str | None = None, timeout: float | None = None) -> t
     `timeout` (seconds; default LLMLAB_INIT_TIMEOUT, else 60) bounds the wait for every rank to reach the
     rendezvous: past it, a TimeoutError names the ranks that did not join and MASTER_ADDR:MASTER_PORT.
     """
-    import torch  # torch loads in seconds: `import llmlab.dist` stays light
     import torch.distributed as td  # torch loads in seconds: `import llmlab.dist` stays light
 
     if td.is_initialized():
@@ -110,7 +109,7 @@ def init_from_env(backend: str | None = None, timeout: float | None = None) -> t
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     backend = backend or runtime.backend(local_world)
     if backend == "nccl":
-        torch.cuda.set_device(_int_env("LOCAL_RANK"))
+        runtime.set_device(_int_env("LOCAL_RANK"))
     else:
         os.environ["LLMLAB_RANK_DEVICE"] = "cpu"
     store = _check_in(rank, world_size, timeout)

@@ -28,7 +28,7 @@ within rounds, which a busy machine hardly moves.
     m.rate("step", flops_per_step) # a function measured alongside, as a share of the peak (an MFU), round by round
 
 Everything is measured the same way on a laptop CPU and on a GPU (where the clock is read only after
-`torch.cuda.synchronize`, see `llmlab.timing`).
+`runtime.synchronize`, see `llmlab.timing`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def device_name(device=None) -> str:
 
     device = runtime.device() if device is None else torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+        return runtime.device_properties(device).name
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         for line in cpuinfo.read_text().splitlines():
@@ -77,7 +77,7 @@ def cache_bytes(device=None) -> int:
 
     device = runtime.device() if device is None else torch.device(device)
     if device.type == "cuda":
-        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
+        return runtime.device_properties(device).l2_cache_size
     sizes = [_size(f.read_text()) for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size")]
     return max(sizes, default=0)
 

@@ -56,7 +56,7 @@ class _Checkpoint(torch.autograd.Function):
         ctx.fn = fn
         ctx.devices = sorted({a.get_device() for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
         ctx.cpu_rng = torch.get_rng_state()  # taken before fn draws anything
-        ctx.cuda_rng = [torch.cuda.get_rng_state(d) for d in ctx.devices]
+        ctx.cuda_rng = runtime.cuda_rng_states(ctx.devices)
         ctx.autocast = {kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
                         for kind in ("cpu", *(("cuda",) if ctx.devices else ()))}
         ctx.tensor_at = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -71,8 +71,7 @@ class _Checkpoint(torch.autograd.Function):
             args[i] = saved.detach().requires_grad_(saved.requires_grad)  # a fresh leaf to backprop into
         with torch.random.fork_rng(devices=ctx.devices), ExitStack() as stack:
             torch.set_rng_state(ctx.cpu_rng)
-            for device, state in zip(ctx.devices, ctx.cuda_rng, strict=True):
-                torch.cuda.set_rng_state(state, device)
+            runtime.set_cuda_rng_states(ctx.cuda_rng, ctx.devices)
             for kind, (enabled, dtype) in ctx.autocast.items():
                 stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
             stack.enter_context(torch.enable_grad())

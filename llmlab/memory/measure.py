@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmlab import runtime
+
 __all__ = ["StateBytes", "storage_key", "tensor_bytes", "model_state_bytes", "is_parameter", "StorageCounter",
            "SavedActivations",
            "saved_activation_bytes", "PeakMemory", "peak_allocated"]
@@ -206,18 +208,19 @@ class PeakMemory:
 @contextmanager
 def peak_allocated(device: torch.device | str = "cuda"):
     """The CUDA caching allocator's peak of allocated bytes during the block (`torch.cuda.max_memory_allocated`
-    after `reset_peak_memory_stats`). This sees everything — activations, gradients, temporaries of backward,
-    the optimizer's update — not only saved tensors. CPU has no such counter: a non-CUDA device is refused."""
+    after `reset_peak_memory_stats`, through `llmlab.runtime`). This sees everything — activations, gradients,
+    temporaries of backward, the optimizer's update — not only saved tensors. CPU has no such counter: a non-CUDA
+    device is refused, except under smoke mode (`llmlab.runtime`), where the process's resident set stands in."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" and not runtime.tier().smoke:
         raise ValueError(f"device={str(device)!r}: the allocator's peak is tracked only on CUDA devices; "
                          "on CPU use SavedActivations and model_state_bytes")
     result = PeakMemory()
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    result.start = torch.cuda.memory_allocated(device)
+    runtime.synchronize(device)
+    runtime.reset_peak_memory_stats(device)
+    result.start = runtime.memory_allocated(device)
     try:
         yield result
     finally:
-        torch.cuda.synchronize(device)
-        result.peak = torch.cuda.max_memory_allocated(device)
+        runtime.synchronize(device)
+        result.peak = runtime.max_memory_allocated(device)

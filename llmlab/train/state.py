@@ -35,6 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from llmlab import runtime
+
 __all__ = ["MAGIC", "VERSION", "KILL_ENV", "write_state", "read_state", "fsync_dir", "kill_point", "rng_state",
            "set_rng_state"]
 
@@ -135,7 +137,7 @@ def rng_state() -> dict:
     """Every random generator's state, in a form `torch.load(weights_only=True)` accepts."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     return dict(torch=torch.get_rng_state(),
-                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else [],
+                cuda=runtime.cuda_rng_states(),
                 python=random.getstate(),
                 numpy=dict(kind=kind, keys=torch.from_numpy(keys.astype(np.int64)), pos=int(pos),
                            has_gauss=int(has_gauss), cached=float(cached)))
@@ -144,8 +146,7 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     """Restore `rng_state()`'s generators."""
     torch.set_rng_state(state["torch"])
-    if state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    runtime.set_cuda_rng_states(state["cuda"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]

@@ -50,7 +50,8 @@ def machine_memory(gpu: bool) -> tuple[int | None, str]:
     """(bytes, whose): GPU 0's memory (`gpu`), else the host's (its cgroup's limit if lower); None where the OS
     does not say."""
     if gpu:
-        return torch.cuda.get_device_properties(0).total_memory, f"{torch.cuda.get_device_name(0)}'s"
+        props = runtime.device_properties(0)
+        return props.total_memory, f"{props.name}'s"
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
@@ -66,7 +67,7 @@ def check_memory(config: RunConfig, world: int, local_ranks: int) -> None:
     train = config.train_config()
     tp, dp = config.tp, world // config.tp
     half = train.precision in ("bf16", "fp16")
-    gpu = runtime.device().type == "cuda" and local_ranks <= torch.cuda.device_count()
+    gpu = runtime.tier().is_gpu and local_ranks <= runtime.device_count()
     plan = planner.plan(GPTConfig.preset(train.model, block_size=train.block_size), train.batch_size // dp,
                         stage=config.zero, data=dp, tensor=tp, checkpointing=config.checkpoint,
                         precision="fp32",  # the Trainer keeps fp32 weights, gradients and AdamW moments
