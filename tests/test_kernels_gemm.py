@@ -1,10 +1,15 @@
-"""The Triton GEMM under the interpreter: any shape, strides, dtypes, fused epilogue, and bad input."""
+"""The Triton GEMM under the interpreter: any shape, strides, dtypes, fused epilogue, and bad input; its configs per
+device, the peak it is measured against, and the GPU bench's code (run on the CPU)."""
+
+import functools
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from llmlab.kernels import gemm
+from llmlab.kernels import gemm, gemm_configs
+
+from llmlab import runtime, timing
 
 # Error bound of C = A @ B computed with an fp32 accumulator and rounded once to the output dtype, against
 # the float64 product of the same (already rounded) inputs:
@@ -30,8 +35,8 @@ def assert_gemm_close(c, a, b, bias=None, activation=None):
     assert worst <= 1.0, f"error {err.max().item():.3g} exceeds the bound by {worst:.2f}x"
 
 
-def poisoned(m, n, dtype):
-    return torch.full((m, n), float("nan"), dtype=dtype)
+def poisoned(m, n, dtype, device="cpu"):
+    return torch.full((m, n), float("nan"), dtype=dtype, device=device)
 
 
 @pytest.mark.parametrize("dtype", gemm.DTYPES, ids=str)
@@ -110,3 +115,82 @@ def test_program_tile_covers_every_tile_once(num_pid_m, num_pid_n, group_m):
     assert sorted(tiles) == [(m, n) for m in range(num_pid_m) for n in range(num_pid_n)]
     if group_m == 1:
         assert tiles == [(m, n) for m in range(num_pid_m) for n in range(num_pid_n)]  # row-major
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tf32", [(torch.bfloat16, False), (torch.float16, False), (torch.float32, False),
+                                        (torch.float32, True)], ids=["bf16", "fp16", "fp32", "tf32"])
+def test_compiled_kernel_on_gpu(dtype, tf32):
+    # the compiled kernel (autotuned over this GPU's configs): masked edges (no size a multiple of 16), a
+    # column-major A and the fused epilogue; against the interpreter tests' float64 bound, or for TF32 (inputs cut
+    # to 10 mantissa bits) the GPU bench's relative Frobenius tolerance
+    device = runtime.device()
+    a = torch.randn(61, 97, device=device).to(dtype).t()  # (97, 61), column-major
+    b, bias = torch.randn(61, 130, device=device).to(dtype), torch.randn(130, device=device).to(dtype)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    try:
+        c = gemm.matmul(a, b, bias=bias, activation="gelu", out=poisoned(97, 130, dtype, device))
+    finally:
+        torch.set_float32_matmul_precision(before)
+    if not tf32:
+        assert_gemm_close(c, a, b, bias, "gelu")
+    else:
+        exact = gemm.reference(a.double(), b.double(), bias.double(), "gelu")  # (97, 130)
+        assert torch.linalg.norm(c.double() - exact) / torch.linalg.norm(exact) <= gemm.TOLERANCE["tf32"]
+
+
+@pytest.mark.parametrize("precision", gemm_configs.PRECISIONS)
+def test_hopper_configs_fit_wgmma_and_shared_memory(precision):
+    configs = gemm_configs.configs("hopper", precision)
+    assert len(configs) <= 8  # each config compiles per dtype: a short list keeps the GPU bench in its time box
+    for c in configs:
+        m, n, k = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        assert m % (64 * (c.num_warps // 4)) == 0, "each warpgroup (4 warps) of wgmma computes 64-row slabs"
+        itemsize = 2 if precision in ("bf16", "fp16") else 4
+        assert (m * k + k * n) * itemsize * c.num_stages <= 227 * 1024, "Hopper: 227 KB of shared memory"
+
+
+def test_configs_by_device():
+    assert gemm_configs.kind(torch.device("cpu")) == "interpreter"  # this tier: Triton interpreted
+    (c,) = gemm_configs.configs("interpreter", "fp32")
+    assert c.kwargs == {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
+    wide, narrow = (gemm_configs.configs("other-gpu", p) for p in ("bf16", "tf32"))
+    assert [c.kwargs["BLOCK_K"] for c in wide] == [2 * c.kwargs["BLOCK_K"] for c in narrow]  # TF32: half the K-step
+    assert gemm_configs.describe(wide[0]) == "128×256×64, 3 stages, 8 warps"
+    with pytest.raises(ValueError, match="where='tpu'"):
+        gemm_configs.configs("tpu", "fp32")
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        gemm_configs.configs("hopper", "fp8")
+
+
+@pytest.mark.parametrize("name,spec", [("NVIDIA H200", "H200 SXM"), ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+                                       ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA A100-SXM4-80GB", "A100 SXM"),
+                                       ("AMD Instinct MI250X", "MI250X"), ("NVIDIA H100 NVL", None),
+                                       ("NVIDIA GeForce RTX 4090", None)])
+def test_spec_named(name, spec):
+    found = gemm_configs.spec_named(name)
+    assert (found.name if found else None) == spec
+
+
+def test_peak_flops():
+    h200 = gemm_configs.spec_named("NVIDIA H200")
+    assert gemm_configs.peak_flops(h200, "bf16") == gemm_configs.peak_flops(h200, "fp16") == 989e12
+    assert gemm_configs.peak_flops(h200, "tf32") == 989e12 / 2 and gemm_configs.peak_flops(h200, "fp32") == 67e12
+    assert gemm_configs.peak_flops(gemm_configs.spec_named("AMD Instinct MI250X"), "tf32") is None  # no TF32 there
+    assert gemm_configs.peak_flops(None, "bf16") is None
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        gemm_configs.peak_flops(h200, "fp8")
+
+
+def test_gpu_sweep_runs_on_the_cpu(monkeypatch):
+    # the GPU tier's bench, on the CPU (as under LLMLAB_GPU_SMOKE): timed, checked against float64, TF32 restored;
+    # shorter timings than a bench's (the figures are not what is tested here)
+    monkeypatch.setattr(gemm, "compare", functools.partial(timing.compare, min_rounds=3, budget_s=0.05))
+    before = torch.get_float32_matmul_precision()
+    (row,) = gemm.sweep(sizes=[16], dtypes=[torch.float32])
+    assert torch.get_float32_matmul_precision() == before
+    assert row["precision"] == "tf32" and row["check"] == "ok" and row["rel_err"] <= row["tol"]
+    assert row["of_torch"] == row["of_torch_eager"] == pytest.approx(1 / row["ratio"])  # a CPU launches nothing
+    assert row["of_peak"] is None and row["peak_of"] == ""  # a CPU has no spec-sheet entry
+    assert row["config"] == "32×32×32, 3 stages, 4 warps"
