@@ -364,12 +364,15 @@ def held_out_loss(losses: list[float]) -> float:
     return sum(losses[-10:]) / 10
 
 
-def bench(steps: int = 100, batch_size: int = 8, block_size: int = 64, kernel_sizes=None) -> list[dict]:
+def bench(steps: int | None = None, batch_size: int = 8, block_size: int = 64, kernel_sizes=None) -> list[dict]:
     """`llmlab bench quant`: the Triton int8 kernels' rows (`llmlab.kernels.quantize.bench`), then one row per
     `BENCH_CONFIGS` entry against fp32: the step time of each (`step_times`: fp32 and every configuration in the
     same interleaved rounds; ratio, spread and load), and the loss gap after `steps` AdamW steps from the same
-    weights and batches, each run's mean loss over its last 10 steps (fresh batches: a held-out loss)."""
+    weights and batches, each run's mean loss over its last 10 steps (fresh batches: a held-out loss).
+    `steps` defaults to 100, and to 10 under the GPU smoke mode (`runtime`), which runs the code, not the study."""
 
+    if steps is None:
+        steps = 10 if runtime.tier().smoke else 100
     validation.integer("steps", steps, low=10, hint="(the last 10 averaged)")
     device = runtime.device()
     rows = quantize.bench(kernel_sizes)

@@ -42,6 +42,7 @@ def test_a_part_past_the_budget_is_not_reached(tmp_path):
     outcome = suite.run_boxed("late", [sys.executable, "-c", "pass"], clock.allow(60), tmp_path / "x.log", env=None)
     assert outcome.status == "not reached" and not (tmp_path / "x.log").exists()
     assert suite.Clock(budget=100).allow(30) == 30
+    assert suite.Clock(budget=100, scale=2).allow(30) == 60 and 0 < suite.Clock(budget=40, scale=2).allow(30) <= 40
 
 
 def test_wheel_names_and_what_the_node_keeps(tmp_path):
