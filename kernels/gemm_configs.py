@@ -25,7 +25,7 @@ fp32 (`torch.backends.cuda.matmul.allow_tf32` off, PyTorch's default) runs on th
 
 **Interpreter (CPU tier).** One small config: every program is run in NumPy, so only correctness is measured.
 
-**The peak** (`spec_for`, `peak_flops`): the `llmlab.hardware.SPECS` entry of a CUDA device, and its dense rate for
+**The peak** (`spec_for`, `peak_flops`): the `llmlab.SPECS` entry of a CUDA device, and its dense rate for
 what the tensor cores multiply — the bf16 figure for bf16 and fp16 (equal on these parts), half of it for TF32
 (A100, H100, H200, B200 datasheets), the CUDA cores' fp32 figure for IEEE fp32.
 """
@@ -38,7 +38,8 @@ import re
 import torch
 import triton
 
-from llmlab import hardware, runtime
+from llmlab import runtime
+from llmlab.hardware.specs import SPECS, Spec  # the datasheet table: data, no imports
 
 __all__ = ["HOPPER", "OTHER_GPU", "IEEE_FP32", "INTERPRETER", "PRECISIONS", "GROUP_M", "kind", "configs", "describe",
            "spec_named", "spec_for", "peak_flops"]
@@ -103,24 +104,24 @@ def describe(config: triton.Config) -> str:
 _TF32_HALF_OF_BF16 = ("A100", "H100", "H200", "B200")  # their datasheets: dense TF32 = half the dense BF16 rate
 
 
-def spec_named(name: str) -> hardware.Spec | None:
+def spec_named(name: str) -> Spec | None:
     """The spec sheet's entry for a GPU named `name` as the driver names it ('NVIDIA H200' → 'H200 SXM'), None if the
     table has none. A spec named '… PCIe' matches only a name that says PCIe; any other only a name that says
     neither PCIe nor NVL (the H100 NVL and H200 NVL are other parts, with lower peaks)."""
     words = set(re.split(r"[\s/_-]+", name))
-    for spec in hardware.SPECS.values():
+    for spec in SPECS.values():
         model, _, form = spec.name.partition(" ")
         if model in words and (form == "PCIe") == ("PCIe" in words) and "NVL" not in words:
             return spec
     return None
 
 
-def spec_for(device: torch.device) -> hardware.Spec | None:
+def spec_for(device: torch.device) -> Spec | None:
     """`spec_named` for a CUDA `device`; None for a CPU (smoke mode's stand-in included): no tensor-core peak."""
-    return spec_named(hardware.device_name(device)) if device.type == "cuda" else None
+    return spec_named(runtime.device_properties(device).name) if device.type == "cuda" else None
 
 
-def peak_flops(spec: hardware.Spec | None, precision: str) -> float | None:
+def peak_flops(spec: Spec | None, precision: str) -> float | None:
     """The dense peak FLOP/s of `spec` for `precision` ('bf16', 'fp16', 'tf32' or 'fp32'); None where unknown."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}; choose from {', '.join(map(repr, PRECISIONS))}")

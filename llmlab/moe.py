@@ -21,17 +21,19 @@ loss), Zoph et al. 2022 (ST-MoE: the router z-loss). For T tokens x (T, C) and E
    dropped gets output 0 — GShard and Switch rely on the residual connection (x + MoE(x)) to carry it on, so
    the caller adds the residual. `capacity_factor=None` is dropless. `layer.routing.drop_rate` reports it.
 4. **Experts** are MLPs C → hidden → GELU → C (the transformer's MLP). The kept assignments are sorted by
-   expert (a stable argsort: priority order inside each expert), each expert runs one matmul pair on its
-   consecutive block of rows, and `index_add` sums the gated results back into the tokens: a loop over the E
-   experts, never over tokens.
+   expert (a stable argsort: priority order inside each expert); the tokens are permuted into that order once
+   (one `index_select`), every projection is one segment matmul (expert e's weight on its block of consecutive
+   rows, `llmlab.moe_dispatch.grouped_mlp`), and one `index_add` sums the gated results back into the tokens:
+   a loop over the E experts, never over tokens.
 5. **Expert parallelism** (`group=`, as in GShard): rank r of N owns experts r·E/N … (r+1)·E/N − 1; the router is
    replicated. Each rank routes its own tokens (capacity from its own T), then an all-to-all sends each rank the
    rows for its experts, they compute, and a second all-to-all brings the results home: two all-to-alls forward,
    and two backward (the backward of an all-to-all is the reverse all-to-all), so each expert's gradient sums
    every rank's tokens. A tiny exchange of the E/N row counts per peer comes first (logged as "moe.counts").
-   The all-to-alls are llmlab's point-to-point `dist.all_to_all` (block sizes differ per pair of ranks). Rank r
-   computes exactly what the single-process layer computes on rank r's tokens; the router's gradient comes from
-   the rank's tokens only, so the caller all-reduces it (as DDP does for replicated weights).
+   The all-to-alls are llmlab's point-to-point `dist.all_to_all` (block sizes differ per pair of ranks;
+   `llmlab.moe_dispatch.expert_parallel`). Rank r computes exactly what the single-process layer computes on
+   rank r's tokens; the router's gradient comes from the rank's tokens only, so the caller all-reduces it (as
+   DDP does for replicated weights).
 
 The course text's snippet (§8.2), `selected = topk(gate_scores, k=2); return sum(experts[i](x) * scores[i]
 for i in selected)`, runs every selected expert on the whole batch x (in a batch the tokens' choices differ,
@@ -45,7 +47,9 @@ collapses onto a few experts, Shazeer et al. 2017 §4).
     layer.routing.drop_rate                      # of the last forward
     ep = MoELayer.from_layer(layer, group)       # on every rank: this rank's experts, the router replicated
 
-Claim C20 (active parameters per token) is measured in `llmlab.claims.ch08`.
+Claim C20 (active parameters per token) is measured in `llmlab.claims.ch08`; `llmlab bench moe` (`bench`, its
+timing pieces in `llmlab.moe_bench`) times the layer against dense MLPs, the snippet, the loop, and expert-parallel
+on gloo ranks.
 """
 
 from __future__ import annotations
@@ -58,12 +62,12 @@ import torch
 import torch.distributed as td
 import torch.nn as nn
 
-from llmlab import runtime, validation
-from llmlab.dist.collectives import all_to_all
-from llmlab.dist.commlog import scope
+from llmlab import moe_bench, runtime, validation
+from llmlab.moe_bench import fwd_bwd
+from llmlab.moe_dispatch import expert_parallel, grouped_mlp
 from llmlab.timing import compare
 
-__all__ = ["Expert", "Routing", "route", "MoELayer", "loop_reference", "bench"]
+__all__ = ["Expert", "Routing", "route", "MoELayer", "loop_reference", "every_expert", "bench"]
 
 
 class Expert(nn.Module):
@@ -122,13 +126,14 @@ def route(logits: torch.Tensor, k: int, capacity_factor: float | None) -> Routin
     """Top-k routing of (T, E) router logits with capacity (steps 1–3 of the module docstring)."""
     T, E = logits.shape
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (T, E), Switch's selective precision
-    probs = logits.softmax(-1)  # (T, E)
+    lse = torch.logsumexp(logits, -1)  # (T,), for the z-loss and the softmax both
+    probs = (logits - lse[:, None]).exp()  # (T, E) softmax: on rows of E ≪ 100 faster than softmax's kernel
     top_p, expert = probs.topk(k, dim=-1)  # (T, k), (T, k)
     gate = top_p if k == 1 else top_p / top_p.sum(-1, keepdim=True)  # (T, k)
     choice = expert.T.reshape(-1)  # (k·T,) expert of assignment a = j·T + t
     load = torch.bincount(choice, minlength=E)  # (E,)
     balance = E * (load.to(probs.dtype) / (k * T) * probs.mean(0)).sum()  # N·Σ fᵢ·Pᵢ
-    z = torch.logsumexp(logits, -1).square().mean()
+    z = lse.square().mean()
     order = torch.argsort(choice, stable=True)  # (k·T,) grouped by expert, priority order within
     capacity = _capacity(k, T, E, capacity_factor)
     if capacity is None:
@@ -137,27 +142,6 @@ def route(logits: torch.Tensor, k: int, capacity_factor: float | None) -> Routin
     place = torch.arange(k * T, device=logits.device) - starts[choice[order]]  # (k·T,) place in its queue
     return Routing(probs, expert, gate, order[place < capacity], load.clamp(max=capacity), load, capacity,
                    balance, z)
-
-
-def _run_experts(experts, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Expert e on its block of counts[e] consecutive rows: one matmul pair per expert, no loop over tokens."""
-    return torch.cat([expert(block) for expert, block in zip(experts, rows.split(counts), strict=True)])
-
-
-class _AllToAll(torch.autograd.Function):
-    """All-to-all of row blocks (llmlab's `dist.all_to_all`): rows split by `send_counts` go to ranks 0…N−1, the
-    blocks received come back concatenated in source-rank order. Backward is the reverse all-to-all: the
-    gradient of each received block goes back to the rank that sent it."""
-
-    @staticmethod
-    def forward(ctx, rows, send_counts, group):
-        received = all_to_all(list(rows.split(send_counts)), group)
-        ctx.group, ctx.received_counts = group, [b.shape[0] for b in received]
-        return torch.cat(received)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.cat(all_to_all(list(grad.contiguous().split(ctx.received_counts)), ctx.group)), None, None
 
 
 class MoELayer(nn.Module):
@@ -212,26 +196,16 @@ class MoELayer(nn.Module):
             raise ValueError(f"x has last dimension {x.shape[-1]}, the layer expects dim={self.dim}")
         tokens = x.reshape(-1, self.dim)  # (T, C)
         r = route(self.gate(tokens), self.k, self.capacity_factor)
-        rows = tokens[r.token]  # (K, C): the kept assignments' tokens, grouped by expert
+        token = r.token  # (K,)
+        rows = tokens.index_select(0, token)  # (K, C): permuted by expert, once
         if self.group is None:
-            y = _run_experts(self.experts, rows, r.counts.tolist())  # (K, C)
+            y = grouped_mlp(self.experts, rows, r.counts.tolist())  # (K, C)
         else:
-            y = self._expert_parallel(rows, r.counts)  # (K, C)
-        out = tokens.new_zeros(tokens.shape).index_add(0, r.token, y * r.kept_gate.to(y.dtype)[:, None])  # (T, C)
+            y = expert_parallel(self.experts, rows, r.counts, self.group)  # (K, C)
+        gated = y * r.kept_gate.to(y.dtype)[:, None]  # (K, C)
+        out = y.new_zeros(tokens.shape).index_add_(0, token, gated)  # (T, C): un-permuted, once
         self.routing = r.detach()
         return out.view(x.shape), self.balance_coef * r.balance_loss + self.z_coef * r.z_loss
-
-    def _expert_parallel(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows grouped by global expert -> the owning ranks -> their experts -> back, in the same order."""
-        n, local = self.world_size, self.num_local_experts
-        send = counts.view(n, local)  # (N, E/N): row d = rows for each of rank d's experts
-        with scope("moe.counts"):  # the receivers need the per-expert split of what arrives
-            recv = torch.stack(all_to_all(list(send), self.group))  # (N, E/N): row s = what rank s sends me
-        arrived = _AllToAll.apply(rows, send.sum(1).tolist(), self.group)  # (R, C): by source rank, then expert
-        expert = torch.arange(local, device=rows.device).repeat(n).repeat_interleave(recv.flatten())  # (R,)
-        order = torch.argsort(expert, stable=True)  # (R,) group the arrivals by local expert
-        y = _run_experts(self.experts, arrived[order], recv.sum(0).tolist())[order.argsort()]  # (R, C)
-        return _AllToAll.apply(y, recv.sum(1).tolist(), self.group)  # (K, C): home, in `rows` order
 
 
 def loop_reference(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
@@ -259,36 +233,31 @@ def loop_reference(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(out).view(x.shape)
 
 
-def _fwd_bwd(fn, x):
-    """One forward and backward of `fn` (a layer returning (y, aux_loss), or a function returning y) on `x`."""
-    def step():
-        out = fn(x)
-        (out[0] + out[1] if isinstance(out, tuple) else out).square().mean().backward()
-    return step
-
-
-def _every_expert(layer: MoELayer):
-    """The course snippet's way: every expert on every token, weighted by the gate (0 where not chosen)."""
+def every_expert(layer: MoELayer):
+    """The course snippet's way, and the plain reference for the grouped dispatch: every expert on every token,
+    weighted by its gate where the token chose it and kept its slot (0 elsewhere), the layer's own routing."""
     def forward(x):
-        r = route(layer.gate(x), layer.k, None)
-        weights = torch.zeros_like(r.probs).scatter(1, r.expert, r.gate)  # (T, E)
-        return sum(expert(x) * weights[:, e:e + 1] for e, expert in enumerate(layer.experts))
+        tokens = x.reshape(-1, layer.dim)  # (T, C)
+        r = route(layer.gate(tokens), layer.k, layer.capacity_factor)
+        gates = r.gate.masked_fill(r.dropped, 0).to(x.dtype)  # (T, k)
+        weights = torch.zeros(tokens.shape[0], layer.num_experts, dtype=x.dtype, device=x.device).scatter_add(
+            1, r.expert, gates)  # (T, E)
+        return sum(expert(tokens) * weights[:, e:e + 1] for e, expert in enumerate(layer.experts)).view(x.shape)
     return forward
 
 
-def bench(sizes: dict | None = None) -> list[dict]:
+def bench(sizes: dict | None = None, cluster=None) -> list[dict]:
     """Grouped top-2 MoE forward+backward vs dense MLPs, vs every expert on every token, time and drop rate per
-    capacity factor, and vs the per-token loop at a small size. `sizes` overrides dim, hidden, experts, tokens.
+    capacity factor, expert-parallel on gloo ranks (`cluster`, see `moe_bench.expert_parallel_row`) vs the
+    single-process layer, and vs the per-token loop at a small size. `sizes` overrides dim, hidden, experts,
+    tokens (`moe_bench.sizes`: this tier's; tiny under smoke mode).
 
     Each row is one `llmlab.timing.compare` (the layer and its peer interleaved round by round): the ratio of
     their times with its spread and the load, `direction` ("faster", "slower" or "not conclusive": the layer
     against its peer; "not conclusive" too when the spread is too wide), `note` ('' unless it is), and where
     there is one the `ideal` ratio that FLOPs alone would give."""
 
-    device = runtime.device()
-    s = dict(dim=768, hidden=3072, experts=8, tokens=8192) if runtime.tier().is_gpu else dict(
-        dim=128, hidden=512, experts=8, tokens=1024)
-    s.update(sizes or {})
+    device, s = runtime.device(), moe_bench.sizes(sizes)
     C, H, E, T, k = s["dim"], s["hidden"], s["experts"], s["tokens"], 2
     torch.manual_seed(0)
     x = torch.randn(T, C, device=device, requires_grad=True)
@@ -297,24 +266,28 @@ def bench(sizes: dict | None = None) -> list[dict]:
 
     def timed(impl, peer, v=x) -> dict:
         # rounds of ≥ 20 ms: several calls each, so a moment of other work on the machine averages out
-        r = compare(_fwd_bwd(impl, v), _fwd_bwd(peer, v), device=device, warmup=2, min_rounds=7, min_round_s=0.02)
+        r = compare(fwd_bwd(impl, v), fwd_bwd(peer, v), device=device, warmup=2, min_rounds=7, min_round_s=0.02)
         return {**r.row(), "direction": r.direction() if r.conclusive else "not conclusive", "note": r.note()}
 
     for _ in range(3):  # the process's first steps pay for thread-pool start and allocator growth
-        _fwd_bwd(dropless, x)()
+        fwd_bwd(dropless, x)()
     rows = []
     for hidden, why, ideal in ((H, "1 expert's params", k), (k * H, "equal active FLOPs", 1)):
         r = timed(dropless, Expert(C, hidden).to(device))
         rows.append({"impl": "MoE grouped, dropless", "peer": f"dense MLP hidden={hidden} ({why})", "size": size,
                      **r, "ideal": ideal, "tokens_per_s": T / r["impl_ms"] * 1e3})
     rows.append({"impl": "MoE grouped, dropless", "peer": "every expert on every token (snippet)", "size": size,
-                 **timed(dropless, _every_expert(dropless)), "ideal": k / E})
+                 **timed(dropless, every_expert(dropless)), "ideal": k / E})
     for cf in (0.5, 1.0, 1.25, 2.0):
         layer = copy.deepcopy(dropless)
         layer.capacity_factor = cf
         rows.append({"impl": f"MoE grouped, capacity_factor={cf}", "peer": "MoE grouped, dropless", "size": size,
                      **timed(layer, dropless), "drop_rate": layer.routing.drop_rate})
-    small = MoELayer(32, 128, 4, k, None).to(device)
+    on_ranks = moe_bench.sizes(sizes, ranks=True)  # gloo ranks compute on the CPU: the layer is sent to each
+    torch.manual_seed(0)
+    rows.append(moe_bench.expert_parallel_row(MoELayer(on_ranks["dim"], on_ranks["hidden"], on_ranks["experts"], k,
+                                                       None), on_ranks["tokens"], cluster))
+    small = MoELayer(32, 128, 4, k, None).to(device)  # the loop's row comes last (chapter 8 prints its size)
     rows.append({"impl": "MoE grouped, dropless", "peer": "per-token loop (loop_reference)",
                  "size": f"T=64 C=32 H=128 E=4 k={k}",
                  **timed(small, lambda v: loop_reference(small, v), torch.randn(64, 32, device=device,

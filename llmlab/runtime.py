@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import platform
 import random
 import re
 import sys
@@ -60,6 +61,8 @@ __all__ = [
     "seed_everything",
     "describe",
     "DeviceProperties",
+    "cpu_name",
+    "cpu_cache_bytes",
     "set_device",
     "device_count",
     "device_properties",
@@ -291,15 +294,36 @@ def device_properties(device=None) -> DeviceProperties:
     import psutil  # a dependency of llmlab (the grader's process handling)
     import torch  # torch loads in seconds: `import llmlab` stays light
 
-    from llmlab.hardware import machine  # imports this module: only when asked
-
     d = _resolve(device)
     if d.type == "cuda":
         props = torch.cuda.get_device_properties(d)
         return DeviceProperties(props.name, int(props.total_memory), int(props.multi_processor_count),
                                 int(getattr(props, "L2_cache_size", 0)))
-    name = machine.device_name(d) + (f" ({SMOKE_GPU_NAME})" if tier().smoke else "")
-    return DeviceProperties(name, int(psutil.virtual_memory().total), os.cpu_count() or 1, machine.cache_bytes(d))
+    name = cpu_name() + (f" ({SMOKE_GPU_NAME})" if tier().smoke else "")
+    return DeviceProperties(name, int(psutil.virtual_memory().total), os.cpu_count() or 1, cpu_cache_bytes())
+
+
+def cpu_name() -> str:
+    """This machine's CPU model (/proc/cpuinfo), else what `platform` says."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "cpu"
+
+
+def _size(text: str) -> int:
+    """'32768K' / '1M' / '512' (sysfs cache sizes) → bytes."""
+    text = text.strip()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+    return int(text.rstrip("KkMmGg")) * scale
+
+
+def cpu_cache_bytes() -> int:
+    """The size of the CPU's largest cache in bytes (its last level, from sysfs), 0 if unknown."""
+    sizes = [_size(f.read_text()) for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size")]
+    return max(sizes, default=0)
 
 
 def synchronize(device=None) -> None:

@@ -15,10 +15,11 @@ from pathlib import Path
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("llmlab", "llmlab.runtime", "llmlab.timing", "llmlab.invariants", "llmlab.tables", "llmlab.model",
               "llmlab.data", "llmlab.presets", "llmlab.validation", "llmlab.plots", "llmlab.timeline", "llmlab.flops",
-              "llmlab.files")),
+              "llmlab.files", "llmlab.hardware.specs")),
     ("processes", ("llmlab.dist", "llmlab.dist.launcher", "llmlab.dist.grid", "llmlab.dist.collectives",
                    "llmlab.dist.commlog", "llmlab.dist.torchrun", "llmlab.dist._worker")),
-    ("techniques", ("llmlab.parallel", "llmlab.memory", "llmlab.moe", "llmlab.lora", "llmlab.quant",
+    ("techniques", ("llmlab.parallel", "llmlab.memory", "llmlab.moe", "llmlab.moe_dispatch", "llmlab.moe_bench",
+                    "llmlab.lora", "llmlab.quant",
                     "llmlab.precision", "llmlab.accumulate", "llmlab.sparsity", "llmlab.kernels",
                     "llmlab.dist.cost", "llmlab.dist.overlap", "llmlab.dist.allreduce_bench", "llmlab.dist.trace")),
     ("composed", ("llmlab.train", "llmlab.diagnose", "llmlab.hardware", "llmlab.monitor")),

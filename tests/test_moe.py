@@ -1,7 +1,9 @@
-"""Mixture of Experts (llmlab.moe): the grouped layer equals the per-token loop (with and without drops, outputs
-and gradients), the drop rule is first come first served with first choices first, the balance loss is 1 for
-uniform routing and grows with imbalance, drop rate falls with the capacity factor, expert parallelism on 2 and 4
-ranks equals the single-process layer with two all-to-alls each way, and bad arguments are refused by name."""
+"""Mixture of Experts (llmlab.moe, moe_dispatch, moe_bench): the grouped layer equals the per-token loop and every
+expert on every token (with and without drops, an expert with no rows, outputs and gradients), runs under bf16
+autocast, the drop rule is first come first served with first choices first, the balance loss is 1 for uniform
+routing and grows with imbalance, drop rate falls with the capacity factor, expert parallelism on 2 and 4 ranks
+equals the single-process layer with two all-to-alls each way, the bench's rows and sizes (smoke mode's tiny
+ones), and bad arguments are refused by name."""
 
 import json
 import math
@@ -9,9 +11,10 @@ import math
 import pytest
 import torch
 
-from llmlab import bench
+from llmlab import bench, moe_bench, runtime
 from llmlab.dist import Grid
-from llmlab.moe import MoELayer, loop_reference, route
+from llmlab.moe import Expert, MoELayer, every_expert, loop_reference, route
+from llmlab.moe_dispatch import grouped_mlp
 
 WORLD_SIZES = (2, 4)  # expert parallelism over ranks 0 … n-1 (group=None would mean a single-process layer)
 _groups: dict = {}  # on the ranks: world size → its dist.Grid
@@ -60,6 +63,39 @@ def test_grouped_layer_equals_the_per_token_loop(one_thread, k, capacity_factor)
     torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
     for name, g in grads.items():
         torch.testing.assert_close(g, grads_ref[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("capacity_factor", [None, 0.6])
+def test_grouped_dispatch_equals_every_expert_on_every_token(one_thread, k, capacity_factor):
+    torch.manual_seed(k)
+    layer = MoELayer(5, 11, 7, k, capacity_factor).double()  # odd sizes: C=5, H=11, E=7, T=3·31
+    x = torch.randn(3, 31, 5, dtype=torch.float64)
+    with torch.no_grad():  # expert 6 is never chosen (it gets no rows: an empty segment): x₀ = 4, w₆₀ = −9
+        x[..., 0] = 4.0
+        layer.gate.weight[6, 0] = -9.0
+    y, grads = _grads(layer, x, lambda v: layer(v)[0])
+    y_ref, grads_ref = _grads(layer, x, every_expert(layer))
+    r = layer.routing
+    assert r.counts[6] == 0 and (r.drop_rate > 0.2 if capacity_factor else r.drop_rate == 0)
+    # float64; the segment matmuls and the dense ones sum the same products, in other orders: ~1e-16 relative
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, grads_ref[name], rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_layer_runs_under_bf16_autocast(one_thread):
+    torch.manual_seed(0)
+    layer = MoELayer(16, 32, 4, 2, None)
+    x = torch.randn(40, 16)
+    y32 = layer(x)[0].detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, aux = layer(x)
+    (y.float().square().sum() + aux).backward()
+    assert y.dtype == torch.bfloat16 and layer.experts[0].c_fc.weight.grad.dtype == torch.float32
+    # bf16 keeps 8 significant bits (relative rounding 2⁻⁹ ≈ 0.2%) on the inputs, weights and each product's
+    # output; through two projections of 16 and 32 terms a few roundings add up to about 1%: 3% leaves a margin
+    assert (y.float() - y32).abs().max() <= 0.03 * y32.abs().max()
 
 
 def test_slots_go_first_come_first_served_first_choices_first():
@@ -141,6 +177,8 @@ def test_bad_arguments_are_refused_by_name():
         MoELayer(4, 10, 4)(torch.randn(2, 6))
     with pytest.raises(ValueError, match="balance_coef=-1"):
         MoELayer(6, 10, 4, balance_coef=-1)
+    with pytest.raises(ValueError, match=r"counts=\[3, 0, 3\] must give one count per expert \(3\) summing to the 7 "):
+        grouped_mlp([Expert(3, 5)] * 3, torch.randn(7, 3), [3, 0, 3])
 
 
 def _group(world):
@@ -218,10 +256,12 @@ def test_experts_not_divisible_by_the_world_size_is_refused(cluster):
         assert message.startswith("num_experts=6 is not divisible by the expert-parallel world size 4")
 
 
-def test_moe_bench_rows_follow_the_table_convention(one_thread):
+def test_moe_bench_rows_follow_the_table_convention(one_thread, cluster):
     assert bench.BENCHES["moe"] == "llmlab.moe:bench"
-    rows = bench.get("moe")(sizes=dict(dim=16, hidden=32, experts=4, tokens=64))
-    assert len(rows) == 8
+    rows = bench.get("moe")(sizes=dict(dim=16, hidden=32, experts=4, tokens=64), cluster=cluster)
+    assert len(rows) == 9
+    ep = rows[-2]  # expert parallel on the 4 ranks: 16 tokens each
+    assert ep["impl"] == "MoE expert-parallel, 4 gloo ranks" and ep["ideal"] == 1 and ep["comm_ms"] > 0
     for row in rows:
         assert {"impl", "peer", "size", "impl_ms", "peer_ms", "ratio", "spread", "load", "direction",
                 "note"} <= set(row)
@@ -229,3 +269,12 @@ def test_moe_bench_rows_follow_the_table_convention(one_thread):
     json.dumps(bench.record("moe", rows))  # the record is serialisable
     drops = [row["drop_rate"] for row in rows if "drop_rate" in row]
     assert len(drops) == 4 and drops == sorted(drops, reverse=True)
+
+
+def test_bench_sizes_follow_the_tier_and_smoke_mode(monkeypatch):
+    # LLMLAB_GPU_SMOKE's tier runs the GPU branch on the CPU: tiny sizes everywhere, the gloo ranks included
+    monkeypatch.setattr(runtime, "tier", lambda: runtime.Tier("gpu-smoke", 1, runtime.SMOKE_GPU_NAME, smoke=True))
+    assert moe_bench.sizes(None) == moe_bench.sizes(None, ranks=True) == moe_bench.SIZES["smoke"]
+    monkeypatch.setattr(runtime, "tier", lambda: runtime.Tier("gpu", 1, "H200"))  # the ranks compute on the CPU
+    assert moe_bench.sizes(None) == moe_bench.SIZES["gpu"] and moe_bench.sizes(None, True) == moe_bench.SIZES["cpu"]
+    assert moe_bench.sizes(dict(tokens=8))["tokens"] == 8

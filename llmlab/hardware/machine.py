@@ -34,10 +34,8 @@ Everything is measured the same way on a laptop CPU and on a GPU (where the cloc
 from __future__ import annotations
 
 import math
-import platform
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -54,21 +52,7 @@ def device_name(device=None) -> str:
     """A human name for `device` (default: this tier's): the GPU's marketing name, or the CPU model."""
 
     device = runtime.device() if device is None else torch.device(device)
-    if device.type == "cuda":
-        return runtime.device_properties(device).name
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or "cpu"
-
-
-def _size(text: str) -> int:
-    """'32768K' / '1M' / '512' (sysfs cache sizes) → bytes."""
-    text = text.strip()
-    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
-    return int(text.rstrip("KkMmGg")) * scale
+    return runtime.device_properties(device).name if device.type == "cuda" else runtime.cpu_name()
 
 
 def cache_bytes(device=None) -> int:
@@ -76,10 +60,7 @@ def cache_bytes(device=None) -> int:
     GEMMs whose operands fit in it may run above the roof drawn with main memory's bandwidth."""
 
     device = runtime.device() if device is None else torch.device(device)
-    if device.type == "cuda":
-        return runtime.device_properties(device).l2_cache_size
-    sizes = [_size(f.read_text()) for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size")]
-    return max(sizes, default=0)
+    return runtime.device_properties(device).l2_cache_size if device.type == "cuda" else runtime.cpu_cache_bytes()
 
 
 @dataclass(frozen=True)
