@@ -20,9 +20,10 @@ def test_a_hung_part_is_killed_at_its_limit_with_what_it_started(tmp_path):
     code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
             f" open({str(pidfile)!r}, 'w').write(str(c.pid)); print('started', flush=True); time.sleep(60)")
     started = time.monotonic()
-    outcome = suite.run_boxed("hang", [sys.executable, "-c", code], 2, tmp_path / "hang.log", env=None)
+    outcome = suite.run_boxed("hang", [sys.executable, "-c", code], 4, tmp_path / "hang.log", env=None)
     assert outcome.status == "timed out" and "started" in outcome.detail
-    assert time.monotonic() - started < 8  # its 2 s limit and the kill's grace, not the part's 60 s
+    # its 4 s limit (two Python starts fit in it on a loaded machine) and the kill's grace, not the part's 60 s
+    assert time.monotonic() - started < 12
     child = int(pidfile.read_text())
     assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
 
