@@ -25,24 +25,23 @@ fp32 (`torch.backends.cuda.matmul.allow_tf32` off, PyTorch's default) runs on th
 
 **Interpreter (CPU tier).** One small config: every program is run in NumPy, so only correctness is measured.
 
-**The peak** (`spec_for`, `peak_flops`): the `llmlab.SPECS` entry of a CUDA device, and its dense rate for
-what the tensor cores multiply — the bf16 figure for bf16 and fp16 (equal on these parts), half of it for TF32
-(A100, H100, H200, B200 datasheets), the CUDA cores' fp32 figure for IEEE fp32.
+**The peak** (`spec_for`, `peak_flops`): the `llmlab.hardware.SPECS` row of a CUDA device (`for_device`), and its
+dense rate for what the tensor cores multiply — the bf16 column for bf16 and fp16 (equal on these parts), the tf32
+column for TF32, the CUDA cores' fp32 column for IEEE fp32.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 
 import torch
 import triton
 
 from llmlab import runtime
-from llmlab.hardware.specs import SPECS, Spec  # the datasheet table: data, no imports
+from llmlab.hardware.specs import Spec, for_device  # the datasheet table: data, no imports
 
 __all__ = ["HOPPER", "OTHER_GPU", "IEEE_FP32", "INTERPRETER", "PRECISIONS", "GROUP_M", "kind", "configs", "describe",
-           "spec_named", "spec_for", "peak_flops"]
+           "spec_for", "peak_flops"]
 
 PRECISIONS = ("bf16", "fp16", "tf32", "fp32")  # what the dot multiplies: fp32 is IEEE, TF32 the tensor cores' cut
 GROUP_M = 8  # rows of tiles per group of the grouped ordering: consecutive programs share B's tiles in L2
@@ -101,24 +100,10 @@ def describe(config: triton.Config) -> str:
     return f"{kw['BLOCK_M']}×{kw['BLOCK_N']}×{kw['BLOCK_K']}, {config.num_stages} stages, {config.num_warps} warps"
 
 
-_TF32_HALF_OF_BF16 = ("A100", "H100", "H200", "B200")  # their datasheets: dense TF32 = half the dense BF16 rate
-
-
-def spec_named(name: str) -> Spec | None:
-    """The spec sheet's entry for a GPU named `name` as the driver names it ('NVIDIA H200' → 'H200 SXM'), None if the
-    table has none. A spec named '… PCIe' matches only a name that says PCIe; any other only a name that says
-    neither PCIe nor NVL (the H100 NVL and H200 NVL are other parts, with lower peaks)."""
-    words = set(re.split(r"[\s/_-]+", name))
-    for spec in SPECS.values():
-        model, _, form = spec.name.partition(" ")
-        if model in words and (form == "PCIe") == ("PCIe" in words) and "NVL" not in words:
-            return spec
-    return None
-
-
 def spec_for(device: torch.device) -> Spec | None:
-    """`spec_named` for a CUDA `device`; None for a CPU (smoke mode's stand-in included): no tensor-core peak."""
-    return spec_named(runtime.device_properties(device).name) if device.type == "cuda" else None
+    """The spec sheet's row for a CUDA `device` (`hardware.specs.for_device`); None for a CPU (smoke mode's
+    stand-in included): no tensor-core peak."""
+    return for_device(runtime.device_properties(device).name) if device.type == "cuda" else None
 
 
 def peak_flops(spec: Spec | None, precision: str) -> float | None:
@@ -127,6 +112,5 @@ def peak_flops(spec: Spec | None, precision: str) -> float | None:
         raise ValueError(f"precision={precision!r}; choose from {', '.join(map(repr, PRECISIONS))}")
     if spec is None:
         return None
-    if precision == "tf32":
-        return spec.peak_flops("bf16") / 2 if spec.name.split()[0] in _TF32_HALF_OF_BF16 else None
-    return spec.peak_flops("fp32" if precision == "fp32" else "bf16")
+    column = {"fp16": "bf16"}.get(precision, precision)  # fp16 and bf16 share the tensor cores' rate
+    return None if getattr(spec, f"{column}_tflops") is None else spec.peak_flops(column)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from llmlab.kernels import gemm, gemm_configs
 
-from llmlab import runtime, timing
+from llmlab import hardware, runtime, timing
 
 # Error bound of C = A @ B computed with an fp32 accumulator and rounded once to the output dtype, against
 # the float64 product of the same (already rounded) inputs:
@@ -164,20 +164,11 @@ def test_configs_by_device():
         gemm_configs.configs("hopper", "fp8")
 
 
-@pytest.mark.parametrize("name,spec", [("NVIDIA H200", "H200 SXM"), ("NVIDIA H100 80GB HBM3", "H100 SXM"),
-                                       ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA A100-SXM4-80GB", "A100 SXM"),
-                                       ("AMD Instinct MI250X", "MI250X"), ("NVIDIA H100 NVL", None),
-                                       ("NVIDIA GeForce RTX 4090", None)])
-def test_spec_named(name, spec):
-    found = gemm_configs.spec_named(name)
-    assert (found.name if found else None) == spec
-
-
 def test_peak_flops():
-    h200 = gemm_configs.spec_named("NVIDIA H200")
+    h200 = hardware.for_device("NVIDIA H200")
     assert gemm_configs.peak_flops(h200, "bf16") == gemm_configs.peak_flops(h200, "fp16") == 989e12
-    assert gemm_configs.peak_flops(h200, "tf32") == 989e12 / 2 and gemm_configs.peak_flops(h200, "fp32") == 67e12
-    assert gemm_configs.peak_flops(gemm_configs.spec_named("AMD Instinct MI250X"), "tf32") is None  # no TF32 there
+    assert gemm_configs.peak_flops(h200, "tf32") == 495e12 and gemm_configs.peak_flops(h200, "fp32") == 67e12
+    assert gemm_configs.peak_flops(hardware.for_device("AMD Instinct MI250X"), "tf32") is None  # no TF32 there
     assert gemm_configs.peak_flops(None, "bf16") is None
     with pytest.raises(ValueError, match="precision='fp8'"):
         gemm_configs.peak_flops(h200, "fp8")

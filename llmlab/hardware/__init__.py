@@ -8,6 +8,7 @@ measured (`measure`).
 
 from llmlab.hardware import roofline
 from llmlab.hardware.machine import Measured, Rate, device_name, measure
-from llmlab.hardware.specs import SPECS, Spec, cpu_peak_tflops, spec
+from llmlab.hardware.specs import SPECS, Spec, cpu_peak_tflops, for_device, spec
 
-__all__ = ["Measured", "Rate", "device_name", "measure", "roofline", "SPECS", "Spec", "spec", "cpu_peak_tflops"]
+__all__ = ["Measured", "Rate", "device_name", "measure", "roofline", "SPECS", "Spec", "spec", "for_device",
+           "cpu_peak_tflops"]
