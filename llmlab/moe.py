@@ -247,9 +247,10 @@ def every_expert(layer: MoELayer):
 
 
 def bench(sizes: dict | None = None, cluster=None) -> list[dict]:
-    """Grouped top-2 MoE forward+backward vs dense MLPs, vs every expert on every token, time and drop rate per
-    capacity factor, expert-parallel on gloo ranks (`cluster`, see `moe_bench.expert_parallel_row`) vs the
-    single-process layer, and vs the per-token loop at a small size. `sizes` overrides dim, hidden, experts,
+    """Grouped top-2 MoE forward+backward vs dense MLPs (and the experts alone, without routing or permutation: the
+    layer's floor), vs every expert on every token, time and drop rate per capacity factor, expert-parallel on gloo
+    ranks (`cluster`, see `moe_bench.expert_parallel_row`) vs the single-process layer, and vs the per-token loop
+    at a small size. `sizes` overrides dim, hidden, experts,
     tokens (`moe_bench.sizes`: this tier's; tiny under smoke mode).
 
     Each row is one `llmlab.timing.compare` (the layer and its peer interleaved round by round): the ratio of
@@ -276,6 +277,12 @@ def bench(sizes: dict | None = None, cluster=None) -> list[dict]:
         r = timed(dropless, Expert(C, hidden).to(device))
         rows.append({"impl": "MoE grouped, dropless", "peer": f"dense MLP hidden={hidden} ({why})", "size": size,
                      **r, "ideal": ideal, "tokens_per_s": T / r["impl_ms"] * 1e3})
+    dropless(x)  # the experts' floor: their segment matmuls alone, on rows already grouped by this routing
+    grouped = x.detach().index_select(0, dropless.routing.token).requires_grad_()  # (K, C)
+    counts = dropless.routing.counts.tolist()
+    r = timed(lambda _: grouped_mlp(dropless.experts, grouped, counts), Expert(C, H).to(device))
+    rows.append({"impl": "experts alone (rows pre-grouped)", "peer": f"dense MLP hidden={H} (1 expert's params)",
+                 "size": size, **r, "ideal": k})
     rows.append({"impl": "MoE grouped, dropless", "peer": "every expert on every token (snippet)", "size": size,
                  **timed(dropless, every_expert(dropless)), "ideal": k / E})
     for cf in (0.5, 1.0, 1.25, 2.0):

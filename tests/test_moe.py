@@ -259,7 +259,9 @@ def test_experts_not_divisible_by_the_world_size_is_refused(cluster):
 def test_moe_bench_rows_follow_the_table_convention(one_thread, cluster):
     assert bench.BENCHES["moe"] == "llmlab.moe:bench"
     rows = bench.get("moe")(sizes=dict(dim=16, hidden=32, experts=4, tokens=64), cluster=cluster)
-    assert len(rows) == 9
+    assert len(rows) == 10
+    floor = rows[2]  # the experts' segment matmuls alone, against the one-expert MLP
+    assert floor["impl"] == "experts alone (rows pre-grouped)" and floor["ideal"] == 2
     ep = rows[-2]  # expert parallel on the 4 ranks: 16 tokens each
     assert ep["impl"] == "MoE expert-parallel, 4 gloo ranks" and ep["ideal"] == 1 and ep["comm_ms"] > 0
     for row in rows:
