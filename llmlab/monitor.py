@@ -2,13 +2,32 @@
 
 The material (§6.3 and its closing advice) asks to watch GPU utilisation (nvidia-smi), communication time
 (PyTorch profiler) and memory (torch.cuda.memory_allocated(), here `runtime.memory_allocated()`), with TensorBoard
-or WandB, while training runs.
+or WandB, while training runs. Practitioners add two figures that say more than utilisation does:
+
+- **MFU**, model-FLOPs utilisation (Chowdhery et al. 2022, the PaLM paper, §4.1 and Appendix B): the tokens/s the
+  run achieves × 6N FLOPs per token (N parameters, forward + backward) over the device's peak FLOP/s. The peak
+  (`Peak`, from `device_peak`) is the spec sheet's figure for a GPU it has a row for (`llmlab.hardware.specs`, the
+  column of the run's precision), else this device's measured fp32 matmul (`llmlab.hardware.matmul_peak`, the
+  roofline's flat roof); `peak.source` says which, and is printed beside the figure. nvidia-smi's "GPU-Util" is
+  another thing: the share of the sample period during which one or more kernels was executing (NVML's
+  nvmlUtilization_t.gpu, https://docs.nvidia.com/deploy/nvml-api/structnvmlUtilization__t.html), however little
+  of the chip each kernel used, so a GPU at 100% util can run at a low MFU.
+- **the update/weight ratio** ‖Δθ‖/‖θ‖ of each update, over all parameters ("update_ratio") and per parameter
+  tensor (`update_ratios`): how far one update moved the weights, relative to their size. The cs231n notes
+  (Karpathy, "Neural Networks Part 3", "Ratio of weights:updates", https://cs231n.github.io/neural-networks-3/#ratio)
+  give "a rough heuristic ... somewhere around 1e-3": much higher, the learning rate is likely too high; much
+  lower, too low.
+
+Both need the model: the Trainer hands it over by calling `monitor.watch(model, precision=, devices=)` (a monitor
+without `watch` gets neither). The ratio keeps a copy of the weights from the last logged update (one more copy of
+the parameters' memory); with `log_interval` k > 1 it is the ratio over the last k updates.
 
     from llmlab.monitor import Monitor, profile_step, gpu_stats
     with Monitor(logdir="runs/ch06", live=True) as monitor:    # live: a plot in the notebook, updated in place
         for step in range(100):
             monitor.log(step, {"loss": loss, "lr": lr})        # the Trainer calls this every step
     monitor.history["loss"]                                    # [(step, value), ...]
+    monitor.history["mfu"], monitor.peak.source                # under a Trainer: MFU per update, and its peak
     print(monitor.timed("step_time_s"))                        # every step's time: "41.2 ms ±9%" (timing.Timing)
     profile_step(step_fn)                                      # {"compute": s, "communication": s, "other": s, ...}
     gpu_stats()                                                # None on a CPU machine (the CPU's under smoke mode)
@@ -18,21 +37,59 @@ or WandB, while training runs.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
-from llmlab import runtime, timing, validation
+from llmlab import hardware, runtime, timing, validation
 
-__all__ = ["Monitor", "profile_step", "gpu_stats", "memory_bytes", "COMM_PREFIXES"]
+__all__ = ["Monitor", "Peak", "device_peak", "profile_step", "gpu_stats", "memory_bytes", "COMM_PREFIXES"]
 
 # units of the metrics the Trainer logs, for the panels' titles
 _UNITS = {"loss": "nats/token", "tokens_per_s": "tokens/s", "step_time_s": "s", "comm_s": "s",
-          "memory_bytes": "bytes"}
+          "memory_bytes": "bytes", "update_ratio": "‖Δθ‖/‖θ‖, log scale"}
+_LOG_SCALE = ("update_ratio",)
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A device's peak FLOP/s, against which MFU is reckoned, and where the figure comes from."""
+
+    flops: float  # FLOP/s of one device
+    source: str  # e.g. "spec sheet: H100 SXM, bf16 dense (NVIDIA H100 Tensor Core GPU datasheet (2023); ...)"
+    label: str  # a few words for a panel's title: "spec sheet H100 SXM bf16", "measured fp32 matmul"
+
+
+def device_peak(device=None, precision: str = "fp32", seconds: float = 0.5) -> Peak:
+    """The peak FLOP/s of `device` (default: this tier's) for a run in `precision` ("fp32", "bf16", "fp16").
+
+    A GPU with a row on the spec sheet (`hardware.for_device`): its dense figure for the precision — BF16 on the
+    tensor cores for bf16 and fp16 (the same rate on these parts), TF32 for fp32 where torch lets matmuls use it
+    (`torch.get_float32_matmul_precision() != "highest"`), else the FP32 (SIMT) figure. Any other device, this CPU
+    included: `hardware.matmul_peak(seconds=)`, the fp32 n×n matmul of the roofline's flat roof, on the threads
+    torch uses now (about `seconds`).
+    """
+    validation.one_of("precision", precision, ("fp32", "bf16", "fp16"))
+    device = runtime.device() if device is None else torch.device(device)
+    row = hardware.for_device(hardware.device_name(device)) if device.type == "cuda" else None
+    if row is not None:
+        column = "bf16" if precision in ("bf16", "fp16") else (
+            "tf32" if torch.get_float32_matmul_precision() != "highest" and row.tf32_tflops else "fp32")
+        return Peak(row.peak_flops(column), f"spec sheet: {row.name}, {column} dense ({row.source})",
+                    f"spec sheet {row.name} {column}")
+    flops, n, t = hardware.matmul_peak(device, seconds=seconds)
+    threads = torch.get_num_threads()
+    return Peak(flops, f"measured: fp32 {n}×{n} matmul on {hardware.device_name(device)}, {threads} "
+                       f"thread{'s' * (threads != 1)}, ±{t.spread:.0%} (llmlab.hardware.matmul_peak)",
+                f"measured fp32 matmul, {threads} thread{'s' * (threads != 1)}")
+
 
 # torch.profiler op names of collectives: the c10d dispatcher op, the backend's work item, the comms record
 COMM_PREFIXES = ("c10d::", "gloo:", "nccl:", "record_param_comms")
@@ -130,15 +187,25 @@ class Monitor:
     `live`: draw the metrics in the notebook, one panel each, redrawn in place at most every `every_s`
     seconds (drawing costs more than a tiny training step). `memory`: add "memory_bytes" to every step.
     `comm_log`: an open `llmlab.dist.CommLog`; each step logs the communication seconds since the last step.
+    `peak`: what MFU divides by — "auto" (`device_peak` for the watched model's device and precision, found when
+    `watch` is called), a `Peak`, or None (no MFU).
+
+    Once `watch(model)` has been called (the Trainer does), every `log` adds "mfu" (when the metrics hold
+    "tokens_per_s") and "update_ratio", and `update_ratios[name]` gets each parameter tensor's ratio.
 
     The live plot reads the clock only to pace its redraws; a duration summarised for a reader (the step time of a
     run) comes from `timed()`, which judges the steps' times as `llmlab.timing` judges any rounds.
     """
 
     def __init__(self, logdir: str | None = None, live: bool = False, every_s: float = 0.5, memory: bool = False,
-                 comm_log=None):
+                 comm_log=None, peak: Peak | str | None = "auto"):
         validation.number("every_s", every_s, low=0)
+        if not (peak is None or peak == "auto" or isinstance(peak, Peak)):
+            raise ValueError(f"peak={peak!r} must be 'auto', a monitor.Peak or None")
+        self.peak = peak
         self.history: dict[str, list[tuple[int, float]]] = {}
+        self.update_ratios: dict[str, list[tuple[int, float]]] = {}  # per parameter tensor: [(step, ratio), ...]
+        self.flops_per_token, self.devices, self._params, self._before = None, 1, {}, {}
         self.live, self.every_s, self.memory, self.comm_log = live, every_s, memory, comm_log
         self._comm_seen, self._last_draw, self._handle, self._fig = 0.0, -float("inf"), None, None
         self._load = timing.Load.now()  # the machine's load when the run started (`timed` takes the busier)
@@ -151,12 +218,53 @@ class Monitor:
                                   " pip install 'llmlab[tensorboard]' (or pip install tensorboard)") from e
             self.writer = SummaryWriter(log_dir=str(logdir))
 
+    def watch(self, model: torch.nn.Module, precision: str = "fp32", devices: int = 1) -> None:
+        """Follow `model` from now on: its N for MFU (`model.num_params()` where it has one — nanoGPT's count, the
+        tied embedding in, positions out — else every trainable parameter once), the devices the logged tokens/s
+        is over, the peak (when "auto": `device_peak` of its parameters' device in `precision`) and a copy of its
+        weights, against which the next `log` measures the update. Called again (after loading a saved state),
+        it takes a fresh copy."""
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model={model!r} must be a torch.nn.Module")
+        validation.positive_int("devices", devices)
+        self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        if not self._params:
+            raise ValueError("model has no trainable parameter to watch")
+        n = model.num_params() if callable(getattr(model, "num_params", None)) else sum(
+            p.numel() for p in self._params.values())
+        self.flops_per_token, self.devices = 6.0 * n, devices  # forward 2N + backward 4N per token
+        if self.peak == "auto":
+            self.peak = device_peak(next(iter(self._params.values())).device, precision)
+        self._snapshot()
+
+    def _snapshot(self) -> None:
+        with torch.no_grad():
+            self._before = {n: p.detach().clone() for n, p in self._params.items()}
+
+    def _update_ratios(self, step: int) -> float:
+        """‖θ − θ_before‖ / ‖θ_before‖ over all watched parameters (returned) and per tensor (appended to
+        `update_ratios`; NaN for a tensor that was all zeros, e.g. a bias at initialisation); then a new copy."""
+        moved = size = 0.0
+        with torch.no_grad():
+            for name, p in self._params.items():
+                before, dtype = self._before[name], torch.promote_types(p.dtype, torch.float32)  # bf16 sums in fp32
+                d2 = torch.linalg.vector_norm(p.detach() - before, dtype=dtype).item() ** 2
+                w2 = torch.linalg.vector_norm(before, dtype=dtype).item() ** 2
+                moved, size = moved + d2, size + w2
+                self.update_ratios.setdefault(name, []).append((step, (d2 / w2) ** 0.5 if w2 > 0 else math.nan))
+        self._snapshot()
+        return (moved / size) ** 0.5 if size > 0 else math.nan
+
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record `metrics` (name → number) at `step`; write and draw them as configured."""
         validation.integer("step", step, low=0)
         if not isinstance(metrics, dict):
             raise ValueError(f"metrics must be a dict of name → number, got {type(metrics).__name__}")
         metrics = {k: float(v) for k, v in metrics.items()}
+        if self._params:
+            if isinstance(self.peak, Peak) and "tokens_per_s" in metrics:
+                metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (self.devices * self.peak.flops)
+            metrics["update_ratio"] = self._update_ratios(step)
         if self.memory:
             metrics["memory_bytes"] = float(memory_bytes())
         if self.comm_log is not None:
@@ -188,7 +296,10 @@ class Monitor:
             ax = fig.add_subplot((len(names) + 3) // 4, min(len(names), 4), i + 1)
             points = self.history.get(name, [])
             ax.plot([s for s, _ in points], [v for _, v in points])
-            ax.set_title(f"{name} ({_UNITS[name]})" if name in _UNITS else name, fontsize=9)
+            if name in _LOG_SCALE and any(v > 0 for _, v in points):
+                ax.set_yscale("log")
+            unit = f"of {self.peak.label}" if name == "mfu" and isinstance(self.peak, Peak) else _UNITS.get(name)
+            ax.set_title(f"{name} ({unit})" if unit else name, fontsize=9)
             ax.set_xlabel("step", fontsize=8)
         return fig
 

@@ -28,6 +28,14 @@ def test_measure_this_device():
     assert "TFLOP/s" in str(m) and "GB/s" in str(m)
 
 
+def test_matmul_peak_alone():
+    flops, n, t = hardware.matmul_peak(seconds=0.1)
+    assert n >= 1024 and flops == 2 * n**3 / t.seconds  # the same n×n product as measure's flat roof
+    assert 0 < flops < (10e12 if runtime.device().type == "cpu" else 1e15)  # as in test_measure_this_device
+    with pytest.raises(ValueError, match="seconds="):
+        hardware.matmul_peak(seconds=0)
+
+
 @pytest.mark.gpu
 def test_measure_gpu():
     m = hardware.measure("cuda", seconds=0.5)

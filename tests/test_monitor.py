@@ -1,10 +1,16 @@
-"""llmlab.monitor: history, TensorBoard events read back, headless live plot, profiler split, GPU stats."""
+"""llmlab.monitor: history, TensorBoard events read back, headless live plot, profiler split, GPU stats, MFU against
+a peak and the update/weight ratio, checked against hand computations."""
+
+import math
 
 import pytest
 import torch
 
 from llmlab import dist
-from llmlab.monitor import Monitor, gpu_stats, profile_step
+from llmlab import monitor as monitor_module
+from llmlab.model import GPT, GPTConfig
+from llmlab.monitor import Monitor, Peak, gpu_stats, profile_step
+from llmlab.train import TrainConfig, Trainer
 
 
 def test_history_keeps_every_step():
@@ -84,3 +90,104 @@ def test_logged_durations_are_judged_as_timings():
     with pytest.raises(ValueError, match="name='comm_s': no such durations logged \\(logged: loss, step_time_s\\)"):
         monitor.timed("comm_s")
     assert [ax.get_title() for ax in monitor.figure().axes] == ["loss (nats/token)", "step_time_s (s)"]
+
+
+# --- MFU and the update/weight ratio (issue 19.4) ----------------------------------------------------------------
+
+def test_mfu_is_tokens_per_second_times_6n_over_the_peak():
+    model = torch.nn.Linear(3, 4, bias=False)  # N = 12 parameters, no num_params(): every trainable one counts
+    with Monitor(peak=Peak(1e6, "a made-up peak", "made up")) as monitor:
+        monitor.watch(model)
+        monitor.log(1, {"tokens_per_s": 1000.0})
+        monitor.watch(model, devices=2)  # tokens/s over two devices: each did half
+        monitor.log(2, {"tokens_per_s": 1000.0})
+    # by hand: 1000 tokens/s × 6 × 12 FLOPs per token = 72,000 FLOP/s, over 1e6 FLOP/s
+    assert [v for _, v in monitor.history["mfu"]] == pytest.approx([0.072, 0.036], rel=1e-12)
+    assert [ax.get_title() for ax in monitor.figure().axes] == ["tokens_per_s (tokens/s)", "mfu (of made up)",
+                                                                "update_ratio (‖Δθ‖/‖θ‖, log scale)"]
+
+
+def test_mfu_counts_the_gpt_as_num_params_does():
+    model = GPT(GPTConfig.preset("tiny", block_size=16))
+    with Monitor(peak=Peak(2e9, "x", "x")) as monitor:
+        monitor.watch(model)
+        monitor.log(1, {"tokens_per_s": 500.0, "loss": 1.0})
+    assert model.num_params() < sum(p.numel() for p in model.parameters())  # positions left out (nanoGPT's N)
+    assert monitor.history["mfu"] == [(1, pytest.approx(500.0 * 6 * model.num_params() / 2e9, rel=1e-12))]
+
+
+def test_no_mfu_without_a_peak_or_tokens_and_nothing_without_watch():
+    model = torch.nn.Linear(2, 2)
+    with Monitor(peak=None) as monitor:
+        monitor.watch(model)
+        monitor.log(1, {"tokens_per_s": 1000.0})
+    assert "mfu" not in monitor.history and "update_ratio" in monitor.history
+    with Monitor(peak=Peak(1e6, "x", "x")) as monitor:
+        monitor.log(1, {"tokens_per_s": 1000.0})  # not watching a model: neither figure
+    assert set(monitor.history) == {"tokens_per_s"}
+    with pytest.raises(ValueError, match="peak="):
+        Monitor(peak=1e12)
+    with pytest.raises(ValueError, match="model="):
+        Monitor().watch([torch.nn.Parameter(torch.ones(2))])
+
+
+def test_update_ratio_is_the_norm_of_the_change_over_the_norm_of_the_weights():
+    model = torch.nn.Linear(2, 2, dtype=torch.float64)  # float64: 1 + 0.002 is stored to ~1e-16, not float32's 1e-7
+    with torch.no_grad():
+        model.weight.fill_(1.0)  # ‖W‖ = 2
+        model.bias.zero_()  # ‖b‖ = 0: its own ratio is undefined
+    with Monitor(peak=None) as monitor:
+        monitor.watch(model)
+        with torch.no_grad():
+            model.weight[0, 1] += 0.002  # ‖ΔW‖ = 0.002
+            model.bias[1] -= 0.0015  # ‖Δb‖ = 0.0015
+        monitor.log(1, {})
+        monitor.log(2, {})  # nothing moved since the last log
+    # by hand: √(0.002² + 0.0015²) / √(2² + 0²) = 0.0025 / 2
+    assert monitor.history["update_ratio"] == [(1, pytest.approx(0.00125, rel=1e-9)), (2, 0.0)]
+    assert monitor.update_ratios["weight"] == [(1, pytest.approx(0.001, rel=1e-9)), (2, 0.0)]
+    bias = monitor.update_ratios["bias"]
+    assert math.isnan(bias[0][1]) and bias[1] == (2, 0.0)  # after the update ‖b‖ > 0: defined from then on
+
+
+def test_the_trainer_hands_its_model_to_the_monitor(tmp_path):
+    config = TrainConfig.preset("tiny", steps=4, warmup=2, batch_size=2, block_size=8)
+    with Monitor(peak=Peak(1e9, "x", "x")) as monitor:
+        trainer = Trainer(config=config, monitor=monitor, progress=False)
+        before = [p.detach().clone() for p in trainer.params]
+        trainer.step()
+        moved = math.sqrt(sum((p.detach() - b).square().sum().item() for p, b in zip(trainer.params, before,
+                                                                                     strict=True)))
+        size = math.sqrt(sum(b.square().sum().item() for b in before))
+        trainer.fit(1)
+        trainer.save(tmp_path / "run.pt")
+    assert monitor.history["update_ratio"][0] == (1, pytest.approx(moved / size, rel=1e-5))
+    tokens = [v for _, v in monitor.history["tokens_per_s"]]
+    assert [v for _, v in monitor.history["mfu"]] == pytest.approx(
+        [t * 6 * trainer.module.num_params() / 1e9 for t in tokens], rel=1e-12)
+    with Monitor(peak=None) as resumed:  # a resumed run's first ratio is against the loaded weights, not fresh ones
+        trainer = Trainer.resume(tmp_path / "run.pt", monitor=resumed, progress=False)
+        trainer.fit(1)
+    assert resumed.history["update_ratio"][0][1] < 0.1
+
+
+def test_device_peak_reads_the_spec_sheet_for_a_known_gpu(monkeypatch):
+    monkeypatch.setattr(monitor_module.hardware, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    cuda = torch.device("cuda", 0)
+    assert monitor_module.device_peak(cuda, "bf16").flops == 989e12  # H100 SXM, BF16 dense (datasheet)
+    assert monitor_module.device_peak(cuda, "fp16").flops == 989e12
+    assert monitor_module.device_peak(cuda, "bf16").source.startswith("spec sheet: H100 SXM, bf16 dense (NVIDIA")
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert monitor_module.device_peak(cuda, "fp32").flops == 67e12  # FP32 on the SIMT cores
+        torch.set_float32_matmul_precision("high")
+        assert monitor_module.device_peak(cuda, "fp32").flops == 495e12  # fp32 matmuls as TF32 on tensor cores
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU answer")
+def test_device_peak_measures_this_cpu():
+    peak = monitor_module.device_peak("cpu", seconds=0.1)
+    assert peak.flops > 0 and peak.source.startswith("measured: fp32 ") and "matmul_peak" in peak.source

@@ -4,11 +4,12 @@ measured (`measure`).
     from llmlab import hardware
     hardware.SPECS["A100 SXM"].bf16_tflops        # 312
     hardware.measure()                             # this machine's matmul FLOP/s and copy bandwidth
+    hardware.matmul_peak()                         # the matmul FLOP/s alone (no bandwidths: quicker)
 """
 
 from llmlab.hardware import roofline
-from llmlab.hardware.machine import Measured, Rate, device_name, measure
+from llmlab.hardware.machine import Measured, Rate, device_name, matmul_peak, measure
 from llmlab.hardware.specs import SPECS, Spec, cpu_peak_tflops, for_device, spec
 
-__all__ = ["Measured", "Rate", "device_name", "measure", "roofline", "SPECS", "Spec", "spec", "for_device",
-           "cpu_peak_tflops"]
+__all__ = ["Measured", "Rate", "device_name", "measure", "matmul_peak", "roofline", "SPECS", "Spec", "spec",
+           "for_device", "cpu_peak_tflops"]

@@ -42,7 +42,7 @@ import torch
 from llmlab import runtime, timing, validation
 from llmlab.hardware import roofline
 
-__all__ = ["Measured", "Rate", "device_name", "cache_bytes", "measure"]
+__all__ = ["Measured", "Rate", "device_name", "cache_bytes", "measure", "matmul_peak"]
 
 PEAK, READ, COPY = "matmul", "read", "copy"  # the names of the machine's own kernels in `Measured.rounds`
 MIN_PRODUCT_S = 0.01  # the search for n stops once one product takes this long: milliseconds, not microseconds
@@ -243,6 +243,17 @@ def _search_n(device) -> tuple[int, tuple[tuple[int, float], ...]]:
         if one >= MIN_PRODUCT_S or n >= n_max:
             return n, tuple(tried)
         n *= 2
+
+
+def matmul_peak(device=None, seconds: float = 0.5) -> tuple[float, int, timing.Timing]:
+    """The roof's flat part alone: (FLOP/s, n, Timing) of the fp32 n×n matmul `measure` times, n found by the same
+    search, on the threads torch uses now, in about `seconds` of rounds. Without the bandwidths, whose tensors
+    exceed the last-level cache (4 × 480 MiB on a server CPU: seconds to allocate and sum)."""
+    validation.positive("seconds", seconds)
+    device = runtime.device() if device is None else torch.device(device)
+    n, _ = _search_n(device)
+    t = timing.measure(_matmul(n, device), device=device, budget_s=seconds)
+    return 2 * n**3 / t.seconds, n, t
 
 
 def measure(device=None, seconds: float = 1.0, points=(), alongside: dict | None = None,

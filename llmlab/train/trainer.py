@@ -19,7 +19,9 @@ The monitor protocol: any object with `log(step: int, metrics: dict[str, float])
 `log_interval` updates with `step` = the number of updates done and the metrics below. Under data parallel
 every rank calls its own monitor (the metrics are the same on all ranks): give one that writes files on
 rank 0 only. Metrics: loss (mean over micro-batches and ranks), lr, grad_norm (before clipping), tokens_per_s,
-step_time_s, loss_scale (fp16 only), skipped (1.0 when an fp16 overflow skipped the update).
+step_time_s, loss_scale (fp16 only), skipped (1.0 when an fp16 overflow skipped the update). A monitor that also
+has `watch(model, precision=, devices=)` (`llmlab.monitor.Monitor`) is handed the model when the trainer is built
+and again after a saved state is loaded, so that it can add MFU and the update/weight ratio.
 
 What to override to compose other parts (the capstone): `build_model`, `build_dataset`, `wrap_model`,
 `build_optimizer`, `build_schedule`, `loss` (e.g. add an MoE balance loss), `clip` (e.g. a norm over sharded
@@ -153,6 +155,12 @@ class Trainer:
         self.monitor, self.progress = monitor, progress
         self.step_count = 0
         self.history: list[dict] = []
+        self._watch()
+
+    def _watch(self) -> None:
+        """Hand the model, as it is now, to a monitor that follows it (see the module docstring)."""
+        if self.monitor is not None and callable(getattr(self.monitor, "watch", None)):
+            self.monitor.watch(self.module, precision=self.config.precision, devices=self.world_size)
 
     # --- factories: override to compose other parts ------------------------------------------------------
 
@@ -337,6 +345,7 @@ class Trainer:
                 raise ValueError(f"{source} holds a malformed {part} state ({type(e).__name__}: "
                                  f"{str(e).splitlines()[0] if str(e) else ''})") from e
         self.step_count, self.history = saved["step"], list(saved["history"])
+        self._watch()
 
     @classmethod
     def resume(cls, path, **kwargs) -> Trainer:
