@@ -1,7 +1,8 @@
 """Chapter 5's exercise checks (llmlab.checks.ch05): each passes a right answer, reports an unwritten one as not
 attempted, and fails each named mistake — the FP32 column, a forward-only step, MFU left out; Gb/s read as GB/s,
 NVLink's two directions added, the ring's 2(n−1)/n factor left out, 4-byte gradients; communication overlapped,
-TP all-reduces miscounted, links swapped, hours for days — with its message and the hint."""
+TP all-reduces miscounted, links swapped, hours for days, a flat ring where each GPU has its own NIC, the hierarchical
+all-reduce where a node has one, a shared NIC priced as free — with its message and the hint."""
 
 import random
 
@@ -61,14 +62,26 @@ def test_link_quotes_are_the_vendors_figures_and_give_the_librarys_times():
 
 # --- 5.3 ----------------------------------------------------------------------------------------------------
 
+def dp_allreduce(c, grads, link, node, network=None, shared=True):
+    """The DP all-reduce as the exercise text describes it; `network` overrides the config's (a planted mistake)."""
+    g, m = c.dp_per_node, c.dp // c.dp_per_node
+    if m == 1:  # one node: a ring on the node's link
+        return cost.ring_allreduce_time(grads, c.dp, node.alpha, node.beta)
+    if (network or c.network) == "nic-per-node":
+        return cost.ring_allreduce_time(grads, c.dp, link.alpha, link.beta * (c.rings_per_nic if shared else 1))
+    return (cost.reduce_scatter_time(grads, g, node.alpha, node.beta) + cost.all_gather_time(grads, g, node.alpha,
+                                                                                              node.beta)
+            + cost.ring_allreduce_time(grads / g, m, link.alpha, link.beta))
+
+
 def training_time(c, overlap=False, tp_per_layer=4, per_micro_batch=True, shard_grads=True, swap=False,
-                  per_day=86_400):
+                  per_day=86_400, network=None, shared=True):
     link, tp_link = cost.LINKS[c.link], cost.LINKS[c.tp_link]
     if swap:
         link, tp_link = tp_link, link
     compute = compute_seconds(c.n_params, c.batch_tokens, c.gpus, c.gpu, c.mfu)
     grads = c.n_params / (c.tp if shard_grads else 1) * c.bytes_per_param
-    dp = cost.ring_allreduce_time(grads, c.dp, link.alpha, link.beta)
+    dp = dp_allreduce(c, grads, link, tp_link, network, shared)
     activation = c.micro_tokens * c.model.n_embd * c.bytes_per_activation
     rings = tp_per_layer * c.model.n_layer * (c.micro_batches if per_micro_batch else 1)
     tp = rings * cost.ring_allreduce_time(activation, c.tp, tp_link.alpha, tp_link.beta)
@@ -87,8 +100,13 @@ def test_training_cases_are_compute_bound_with_no_pipeline():
         # the exercise prices compute at the bf16 peak: step_time's roofline rate must be exactly that
         assert t.attainable_flops == pytest.approx(SPECS[c.gpu].peak_flops("bf16"), rel=1e-12)
         assert c.pp == 1 and t.pp_send == 0 and t.pp_bubble == 0
+        assert c.dp % c.dp_per_node == 0  # the data-parallel ranks fill their nodes
     first = cluster.step_time(configs[0])  # every part non-zero, so each named mistake shows in the first case
     assert min(first.compute, first.dp_allreduce, first.tp_allreduce) > 0 and configs[0].micro_batches > 2
+    # the fixed cases name each network mistake: a NIC per GPU with 8 per node, one NIC per node (alone, then shared)
+    assert [(c.network, c.dp_per_node, c.rings_per_nic) for c in configs[1:4]] == [
+        ("nic-per-gpu", 8, 1), ("nic-per-node", 8, 1), ("nic-per-node", 1, 8)]
+    assert {c.network for c in configs} == set(cluster.NETWORKS)
 
 
 # --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
@@ -129,6 +147,12 @@ ANSWERS = [
           (dict(shard_grads=False), "the gradients of the whole model: with tp=8 each GPU holds N/tp"),
           (dict(swap=True), r"the links are swapped: gradients cross nodes over config.link \(rdma200\)"),
           (dict(per_day=3600), "the training = .* days: that is hours"),
+          (dict(network="nic-per-node", shared=False),
+           "that is one flat ring over the 64 dp ranks at one NIC's speed, the time with one NIC per node; with a NIC "
+           "per GPU the all-reduce is hierarchical: .* g = config.dp_per_node = 8 GPUs"),
+          (dict(network="nic-per-gpu"), "that is the hierarchical all-reduce of one NIC per GPU; this config has one "
+                                        "NIC per node"),
+          (dict(shared=False), r"the NIC is shared: config.rings_per_nic = 8 data-parallel rings"),
       ]],
     Mistake(ch05.training_time, lambda c: training_time(c)[0], match="expected a pair", hint=TRAINING_HINT),
     Mistake(ch05.training_time, comm_free, match="that is the compute alone", hint=TRAINING_HINT),

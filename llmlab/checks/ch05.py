@@ -10,7 +10,8 @@ llmlab.hardware.cluster.step_time) on the material's cases first — GPT-3 on 10
 600 GB/s" and "100 Gbps RDMA" — then on fresh random ones. When an answer matches a known mistake it says so: the
 spec sheet's FP32 column instead of bf16 dense, 2·N instead of 6·N, MFU left out; Gb/s read as GB/s, NVLink's
 total of both directions used as one direction, the ring's 2(n−1)/n factor left out, the wrong bytes per
-gradient; communication assumed hidden behind compute, Megatron's TP all-reduces miscounted, the links swapped.
+gradient; communication assumed hidden behind compute, Megatron's TP all-reduces miscounted, the links swapped,
+a flat ring priced where each GPU has a NIC of its own (or the reverse), one NIC's sharing left out.
 Where one wrong answer fits two mistakes (it can, e.g. fp32 gradients counted as bf16 over a quoted bidirectional
 link), both are named.
 """
@@ -62,7 +63,8 @@ def compute_seconds(fn):
     """`fn(n_params, tokens, gpus, gpu, mfu)`: seconds of arithmetic in one step (gpu a key of SPECS)."""
 
     rng = fresh_rng()
-    cases = [(175e9, 1536 * 2048, 1024, "A100 SXM", 0.45),  # GPT-3's step (3.1M tokens) on 1024 A100s
+    gpt3 = cluster.PRESETS["gpt3-175b-1024xA100"]  # its mfu: the arithmetic's, fitted to Megatron's measured step
+    cases = [(175e9, gpt3.batch_tokens, gpt3.gpus, gpt3.gpu, gpt3.mfu),  # GPT-3's step (3.1M tokens), 1024 A100s
              (7e9, 2**20, 64, "H100 SXM", 0.4),  # C15's step: a 7B model, 2^20 tokens, 64 H100s
              (1.3e9, 2**19, 1, "MI250X", 1.0)]  # one GPU at the peak
     cases += [(rng.uniform(1e8, 1e12), rng.choice([2**17, 2**19, 2**20, 2**22]) * rng.randint(1, 4),
@@ -95,7 +97,8 @@ def compute_seconds(fn):
 def link_quote(key: str) -> tuple[float, str]:
     """How LINKS[key]'s bandwidth is quoted: (figure, unit). NVLink as spec sheets do (both directions added: 900
     GB/s for NVLink 4 = SPECS["H100 SXM"].link_gbs), networks as NICs are sold (Gb/s per direction), PCIe per
-    direction in GB/s."""
+    direction in GB/s after the 128b/130b line code, from the lane rate (31.5 GB/s for 4.0 x16; GPU datasheets print
+    the raw sum of both directions instead, 64 GB/s)."""
 
     if key not in cost.LINKS:
         raise ValueError(f"key={key!r} is not a link; choose from {', '.join(cost.LINKS)}")
@@ -175,23 +178,25 @@ def _random_config(rng: random.Random):
     n_layer, n_head, n_embd = rng.choice(shapes)  # every n_head divisible by every tp drawn below
     model = GPTConfig(vocab_size=rng.choice([32000, 50257]), block_size=rng.choice([2048, 4096]), n_layer=n_layer,
                       n_head=n_head, n_embd=n_embd, bias=False)
-    dp, tp = rng.choice([2, 4, 16, 64, 256]), rng.choice([2, 4, 8])
+    dp, tp = rng.choice([2, 4, 16, 64, 256]), rng.choice([1, 2, 4, 8])  # dp divides into nodes of 8 at every tp
     micro_batches = rng.choice([1, 2, 4, 8])
     return cluster.ClusterConfig(
         model=model, tokens=rng.uniform(1e11, 2e12), batch_tokens=dp * micro_batches * rng.choice([2048, 4096, 8192]),
         gpu=rng.choice(_ACCELERATORS), gpus=dp * tp, link=rng.choice(_NETWORK_LINKS + ("pcie5",)), dp=dp, tp=tp,
         micro_batches=micro_batches, tp_link=rng.choice(_NODE_LINKS), mfu=rng.uniform(0.3, 0.55),
-        bytes_per_param=rng.choice([2, 4]))
+        bytes_per_param=rng.choice([2, 4]), network=rng.choice(list(cluster.NETWORKS)))
 
 
 def training_cases(rng: random.Random | None = None) -> list:
     """The ClusterConfigs the 5.3 check runs (pp = 1, every GEMM compute-bound): GPT-3 laid out as dp 128 × tp 8 on
-    1024 A100s, C15's 7B step on 64 H100s, GPT-2 on one node, then fresh random ones."""
+    1024 A100s, C15's 7B step on 64 H100s, each with one NIC per GPU and with one per node, GPT-2 on one node, then
+    fresh random ones."""
 
     rng = rng or fresh_rng()
-    cases = [cluster.preset("gpt3-175b-1024xA100", dp=128, pp=1, micro_batches=12),  # every part non-zero: first
-             cluster.preset("7b-64xH100"), cluster.preset("gpt2-8xH100")]
-    while len(cases) < 9:
+    gpt3 = cluster.preset("gpt3-175b-1024xA100", dp=128, pp=1, micro_batches=12)  # every part non-zero: first
+    cases = [gpt3, cluster.preset("7b-64xH100"), cluster.preset("7b-64xH100", network="nic-per-node"),
+             gpt3.with_(network="nic-per-node"), cluster.preset("gpt2-8xH100")]
+    while len(cases) < 11:
         config = _random_config(rng)
         if _compute_bound(config):  # else step_time's rate is below the peak the exercise text prices it at
             cases.append(config)
@@ -199,18 +204,23 @@ def training_cases(rng: random.Random | None = None) -> list:
 
 
 def _describe(c) -> str:
-    return (f"{c.n_params / 1e9:.3g}B parameters on {c.gpus}× {c.gpu} (dp={c.dp} over {c.link}, tp={c.tp} over "
-            f"{c.tp_link}), {c.batch_tokens} tokens per step in {c.micro_batches} micro-batch(es), mfu={c.mfu:.3g}, "
-            f"{c.bytes_per_param}-byte gradients, {c.tokens:.3g} tokens")
+    return (f"{c.n_params / 1e9:.3g}B parameters on {c.gpus}× {c.gpu} (dp={c.dp} over {c.link}, {c.network}, "
+            f"{c.dp_per_node} per node of {c.gpus_per_node}; tp={c.tp} over {c.tp_link}), {c.batch_tokens} tokens per "
+            f"step in {c.micro_batches} micro-batch(es), mfu={c.mfu:.3g}, {c.bytes_per_param}-byte gradients, "
+            f"{c.tokens:.3g} tokens")
 
 
 def _step_mistakes(c, t) -> list[tuple[float, str]]:
     """What a step time with one of the plausible mistakes comes to, and the mistake in words."""
 
     link = cost.LINKS[c.link]
-    whole = cost.ring_allreduce_time(c.n_params * c.bytes_per_param, c.dp, link.alpha, link.beta)
+    grads = c.n_params / c.tp * c.bytes_per_param
+    whole = cluster.allreduce_time(c.n_params * c.bytes_per_param, c.dp, c.dp_per_node, c.network, c.link, c.tp_link,
+                                   c.rings_per_nic)
     swapped = cluster.step_time(c.with_(link=c.tp_link, tp_link=c.link)).total
-    return [
+    flat = cost.ring_allreduce_time(grads, c.dp, link.alpha, link.beta)  # one ring at one NIC's full speed
+    rest = t.total - t.dp_allreduce  # the step without its DP all-reduce
+    mistakes = [
         (t.compute, "that is the compute alone: this model overlaps nothing, so the DP and TP all-reduces add to it"),
         (max(t.compute, t.comm), "max(compute, communication) assumes a perfect overlap; the library's model (an "
                                  "upper bound) adds them"),
@@ -220,18 +230,39 @@ def _step_mistakes(c, t) -> list[tuple[float, str]]:
                                                           "forward and twice backward per layer, 4 in all"),
         (t.compute + t.dp_allreduce + t.tp_allreduce / c.micro_batches,
          f"the TP all-reduces counted once per step: they happen in every one of the {c.micro_batches} micro-batches"),
-        (t.compute + whole + t.tp_allreduce, f"the gradients of the whole model: with tp={c.tp} each GPU holds N/tp "
-                                             "of them, and only those cross the dp ring"),
+        (rest + whole, f"the gradients of the whole model: with tp={c.tp} each GPU holds N/tp of them, and only those "
+                       "cross the dp ring"),
         (swapped, f"the links are swapped: gradients cross nodes over config.link ({c.link}), the TP all-reduces "
                   f"stay in the node on config.tp_link ({c.tp_link})"),
     ]
+    if c.dp == c.dp_per_node:
+        mistakes.append((rest + flat, f"all {c.dp} dp ranks share one node of {c.gpus_per_node} GPUs: their ring runs "
+                                      f"on tp_link ({c.tp_link}), no NIC is on the way"))
+    elif c.network == "nic-per-gpu":
+        mistakes.append((rest + flat, f"that is one flat ring over the {c.dp} dp ranks at one NIC's speed, the time "
+                                      "with one NIC per node; with a NIC per GPU the all-reduce is hierarchical: "
+                                      f"reduce-scatter over the g = config.dp_per_node = {c.dp_per_node} GPUs of a "
+                                      f"node on tp_link, a ring all-reduce of S/g across the {c.dp // c.dp_per_node} "
+                                      "nodes on link, all-gather on tp_link"))
+    else:
+        mistakes.append((rest + cluster.step_time(c.with_(network="nic-per-gpu")).dp_allreduce,
+                         "that is the hierarchical all-reduce of one NIC per GPU; this config has one NIC per node "
+                         "(config.network = 'nic-per-node'): one ring over the dp ranks through it"))
+        if c.rings_per_nic > 1:
+            mistakes.append((rest + flat, f"the NIC is shared: config.rings_per_nic = {c.rings_per_nic} data-parallel "
+                                          "rings (one per tensor-parallel rank in the node) cross the node's one NIC "
+                                          "at once, so each gets 1/r of its bandwidth"))
+    return mistakes
 
 
 @check("5.3", "step time and training days of a cluster",
        hint="step = compute + DP all-reduce + TP all-reduce (nothing overlaps): compute = 6·N·batch_tokens / "
-            "(gpus · bf16 peak · mfu); DP = ring over dp ranks on config.link of N/tp × bytes_per_param bytes; "
-            "TP = 4 · n_layer · micro_batches rings over tp ranks on config.tp_link of micro_tokens × n_embd × "
-            "bytes_per_activation bytes; days = (tokens / batch_tokens) · step / 86,400")
+            "(gpus · bf16 peak · mfu); DP = all-reduce of S = N/tp × bytes_per_param bytes over the dp ranks, "
+            "g = config.dp_per_node in each of m = dp/g nodes: one node → a ring on tp_link; 'nic-per-gpu' → "
+            "reduce-scatter and all-gather over g on tp_link + a ring of S/g over m on link; 'nic-per-node' → one "
+            "ring over dp on link with β × config.rings_per_nic; TP = 4 · n_layer · micro_batches rings over tp "
+            "ranks on config.tp_link of micro_tokens × n_embd × bytes_per_activation bytes; days = (tokens / "
+            "batch_tokens) · step / 86,400")
 def training_time(fn):
     """`fn(config)` for a ClusterConfig with pp = 1: (seconds per step, days of training)."""
 

@@ -236,9 +236,10 @@ def link_times(nbytes, n: int, collective: str = "ring_all_reduce", links=None) 
 
 # --- C15: the material's network advice (§5.2), priced by the model in llmlab.claims.ch05 -----------------------
 
-# The step C15 is priced on: a 7B-parameter model's bf16 gradients, all-reduced by a flat ring every step, on one
-# 8-GPU node (NVLink or PCIe) and across 8 such nodes with one NIC per GPU (the networks); a step of 2^20 tokens
-# computed by H100s at 40% MFU (chapter 1) is what the all-reduce could hide behind.
+# The step C15 is priced on: a 7B-parameter model's bf16 gradients, all-reduced every step, by a ring on one 8-GPU
+# node (NVLink or PCIe) and across 8 such nodes over each network (llmlab.hardware.cluster.allreduce_time: one NIC
+# per GPU, hierarchical, or one per node, a flat ring); a step of 2^20 tokens computed by H100s at 40% MFU
+# (chapter 1) is what the all-reduce could hide behind.
 C15_STEP = {"n_params": 7e9, "bytes_per_param": 2, "node_gpus": 8, "cluster_gpus": 64, "tokens": 2**20,
             "gpu": "H100 SXM", "mfu": 0.4}
 
