@@ -26,6 +26,7 @@ allocator's counters, the CPU's name, memory, cores and last-level cache for the
     runtime.reset_peak_memory_stats(device); ...; runtime.max_memory_allocated(device)   # CPU: resident peak
     runtime.device_properties(device)         # .name .total_memory .multi_processor_count .l2_cache_size
     runtime.device_count()                    # the GPUs of this tier (the stand-ins under smoke mode)
+    with runtime.memory_history(device) as h: ...   # CUDA's memory snapshot; CPU: the profiler's allocations
 
 Usage::
 
@@ -40,12 +41,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import pickle
 import platform
 import random
 import re
 import sys
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -74,6 +76,8 @@ __all__ = [
     "set_memory_fraction",
     "cuda_rng_states",
     "set_cuda_rng_states",
+    "MemoryHistory",
+    "memory_history",
 ]
 
 SMOKE_GPU_NAME = "smoke: the CPU standing in for a GPU"
@@ -422,3 +426,112 @@ def set_cuda_rng_states(states: list, devices: list[int] | None = None) -> None:
         return
     for d, state in zip(devices, states, strict=True):
         torch.cuda.set_rng_state(state, d)
+
+
+# --- memory history: every allocation and free of a block of code, in CUDA's snapshot format --------------------
+
+@dataclass
+class MemoryHistory:
+    """What `memory_history` recorded, filled in when its block ends (also when it raised).
+
+    `snapshot` has the shape of `torch.cuda.memory._snapshot()` (PyTorch docs, "Understanding CUDA Memory
+    Usage"): {"segments": [...], "device_traces": [[entry, ...] per device]}, each entry a dict with "action"
+    ("alloc", "free_requested", "free_completed", "segment_alloc", "oom", ...), "addr", "size" (bytes) and
+    "frames". `trace` is the recorded device's entries; `timeline()` the bytes allocated since the block began
+    after each entry; `path` the pickle written for https://pytorch.org/memory_viz (None: none asked for)."""
+
+    device: str
+    source: str  # what recorded the events
+    snapshot: dict = field(default_factory=lambda: {"segments": [], "device_traces": [[]]})
+    index: int = 0  # the recorded device's list in snapshot["device_traces"]
+    path: Path | None = None
+
+    @property
+    def trace(self) -> list[dict]:
+        return self.snapshot["device_traces"][self.index]
+
+    def timeline(self) -> list[int]:
+        """Bytes allocated since the block began, after each entry of `trace`: + an allocation's size, − a
+        completed free's (a block allocated before the block began and freed in it counts −)."""
+        level, out = 0, []
+        for e in self.trace:
+            level += {"alloc": e["size"], "free_completed": -e["size"]}.get(e["action"], 0)
+            out.append(level)
+        return out
+
+    @property
+    def peak(self) -> int:
+        """The most bytes allocated at once above the level the block began at (0 if it never rose)."""
+        return max([0, *self.timeline()])
+
+
+def _cpu_trace(profile) -> list[dict]:
+    """The CPU allocator's allocations and frees that `profile` (torch.profiler, profile_memory=True) saw, as
+    CUDA snapshot trace entries, in time order; "frames" are the ops and Python calls the event happened in,
+    innermost first."""
+    from torch._C._profiler import _EventType  # the profiler's event kinds: only with a profile in hand
+
+    def nodes(roots):
+        for n in roots:
+            yield n
+            yield from nodes(n.children)
+
+    events = sorted((n for n in nodes(profile.profiler.kineto_results.experimental_event_tree())
+                     if n.tag == _EventType.Allocation and n.extra_fields.device.type == "cpu"),
+                    key=lambda n: n.start_time_ns)
+    trace = []
+    for n in events:
+        size, frames, parent = n.extra_fields.alloc_size, [], n.parent
+        while parent is not None:
+            frames.append({"filename": "", "line": 0, "name": parent.name})
+            parent = parent.parent
+        entry = {"addr": n.extra_fields.ptr, "size": abs(size), "stream": 0, "frames": frames,
+                 "time_us": n.start_time_ns // 1000}
+        actions = ("alloc",) if size > 0 else ("free_requested", "free_completed")  # a CPU free completes at once
+        trace += [{"action": a, **entry} for a in actions]
+    return trace
+
+
+@contextlib.contextmanager
+def memory_history(device=None, *, path: str | Path | None = None, max_entries: int = 100_000):
+    """Record every allocation and free on `device` (default: this tier's) while the block runs; yields a
+    `MemoryHistory`, filled in when the block ends, and writes its snapshot to `path` (a pickle) if given.
+
+    On CUDA: `torch.cuda.memory._record_memory_history(max_entries=...)` (the allocator keeps the last
+    `max_entries` events with their Python stacks), `torch.cuda.memory._snapshot()` at the end,
+    `torch.cuda.memory._dump_snapshot(path)`, then recording off (PyTorch docs, "Understanding CUDA Memory
+    Usage"). On a CPU, which has no caching allocator to ask: `torch.profiler` with `profile_memory=True` sees
+    every allocation and free of the CPU allocator (address, bytes, time, the op it happened in), written here as
+    trace entries of the same shape, with no segments (a CPU allocator caches none)."""
+    import torch  # torch loads in seconds: `import llmlab` stays light
+
+    d = _resolve(device)
+    if not (isinstance(max_entries, int) and max_entries > 0):
+        raise ValueError(f"max_entries={max_entries!r} must be an int > 0")
+    path = Path(path) if path is not None else None
+    if d.type == "cuda":
+        index = d.index if d.index is not None else torch.cuda.current_device()
+        history = MemoryHistory(str(d), "CUDA caching allocator (torch.cuda.memory._record_memory_history)",
+                                index=index, path=path)
+        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+        try:
+            yield history
+        finally:
+            synchronize(d)
+            history.snapshot = torch.cuda.memory._snapshot()
+            if path is not None:
+                torch.cuda.memory._dump_snapshot(str(path))
+            torch.cuda.memory._record_memory_history(enabled=None)
+        return
+    # Kineto prints "profiler_start"/"profiler_stop" lines unless told otherwise before its first use in the
+    # process (llmlab.monitor does the same; the user's setting wins)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    history = MemoryHistory(str(d), "CPU allocator seen by torch.profiler (profile_memory=True)", path=path)
+    profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    try:
+        with profile:
+            yield history
+    finally:
+        history.snapshot = {"segments": [], "device_traces": [_cpu_trace(profile)[-max_entries:]]}
+        if path is not None:
+            path.write_bytes(pickle.dumps(history.snapshot))

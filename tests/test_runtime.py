@@ -3,6 +3,7 @@
 import ast
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -176,6 +177,46 @@ def test_cuda_helpers_call_cuda_on_a_gpu():
     runtime.set_memory_fraction(1.0, cuda)
     runtime.empty_cache(cuda)
     assert issubclass(runtime.OutOfMemoryError, RuntimeError)
+
+
+def test_memory_history_on_a_cpu_records_allocations_and_frees(tmp_path):
+    """The CPU stand-in: the allocations and frees torch.profiler sees, in CUDA's snapshot shape."""
+    keep = torch.ones(8)
+    with runtime.memory_history("cpu", path=tmp_path / "snap.pickle") as history:
+        block = torch.empty(1 << 20, dtype=torch.uint8)  # 1 MiB
+        keep.mul_(keep)  # in place, tensor by tensor: nothing allocated
+        small = torch.zeros(1000)  # 4000 bytes
+        del block
+    assert set(history.snapshot) >= {"segments", "device_traces"} and "CPU" in history.source
+    assert [(e["action"], e["size"]) for e in history.trace] == [
+        ("alloc", 1 << 20), ("alloc", 4000), ("free_requested", 1 << 20), ("free_completed", 1 << 20)]
+    assert history.timeline() == [1 << 20, (1 << 20) + 4000, (1 << 20) + 4000, 4000]
+    assert history.peak == (1 << 20) + 4000 and small.numel() == 1000
+    assert history.trace[0]["frames"][0]["name"] == "aten::empty" and history.trace[0]["time_us"] > 0
+    assert pickle.loads(history.path.read_bytes()) == history.snapshot
+
+
+def test_memory_history_is_filled_in_when_the_block_raises():
+    with pytest.raises(RuntimeError, match="planted"):
+        with runtime.memory_history("cpu") as history:
+            torch.empty(4096, dtype=torch.uint8)  # allocated and freed at once
+            raise RuntimeError("planted")
+    assert history.timeline() == [4096, 4096, 0] and history.peak == 4096
+    with pytest.raises(ValueError, match="max_entries"):
+        with runtime.memory_history("cpu", max_entries=0):
+            pass
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_memory_history_on_cuda_is_the_allocators_snapshot(tmp_path):
+    cuda = torch.device("cuda", 0)
+    with runtime.memory_history(cuda, path=tmp_path / "snap.pickle") as history:
+        block = torch.empty(1 << 20, dtype=torch.uint8, device=cuda)  # 1 MiB: the allocator's sizes are multiples
+        del block
+    allocs = [e for e in history.trace if e["action"] == "alloc"]
+    assert allocs and allocs[0]["size"] == 1 << 20 and history.peak >= 1 << 20 and "CUDA" in history.source
+    assert set(pickle.loads(history.path.read_bytes())) >= {"segments", "device_traces"}
 
 
 def _cuda_calls(source: str, where: str, allowed=frozenset()) -> list[str]:
