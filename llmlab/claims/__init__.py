@@ -37,6 +37,7 @@ from llmlab.claims.coverage import audit, chapter_notebooks, llmlab_references, 
 from llmlab.claims.registry import (
     INCONCLUSIVE,
     REFERENCE_PATH,
+    UNDECIDED,
     VERDICTS,
     Claim,
     ClaimsTable,
@@ -48,9 +49,9 @@ from llmlab.claims.registry import (
 )
 
 __all__ = [
-    "VERDICTS", "INCONCLUSIVE", "REFERENCE_PATH", "ReferenceRow", "Measurement", "Claim", "Row", "ClaimsTable",
-    "Registry", "REGISTRY", "load_reference", "register", "get", "chapter_modules", "load_all", "table", "here",
-    "chapter_notebooks", "llmlab_references", "audit", "registry_problems", "chapter_problems",
+    "VERDICTS", "INCONCLUSIVE", "UNDECIDED", "REFERENCE_PATH", "ReferenceRow", "Measurement", "Claim", "Row",
+    "ClaimsTable", "Registry", "REGISTRY", "load_reference", "register", "get", "chapter_modules", "load_all", "table",
+    "here", "chapter_notebooks", "llmlab_references", "audit", "registry_problems", "chapter_problems",
     "coverage_problems",
 ]
 

@@ -1,30 +1,24 @@
-"""Chapter 6's claims (§6, tuning), measured: the material's warmup formula wastes update 0 (C16), and gradient
-clipping by global norm against a spike (C17)."""
+"""Chapter 6's claims (§6, tuning), measured: warming up linearly over the first steps (C16), and gradient clipping
+by global norm against a spike (C17).
+
+C16 reads `llmlab.train.sweep.warmup_sweep.recent()`, the last sweep of warmup length × peak LR (chapter 6's cell
+made it): the cell and this row show the same runs, not a second sweep taken at another moment."""
 
 from __future__ import annotations
 
 import torch
 
-from llmlab.claims import Measurement, here, register
+from llmlab.claims import UNDECIDED, Measurement, here, register
 from llmlab.data import MarkovSource, SyntheticDataset
 from llmlab.model import GPT, GPTConfig
 from llmlab.train.clip import clip_grad_norm
-from llmlab.train.trainer import TrainConfig, Trainer
+from llmlab.train.sweep import warmup_sweep
 
 __all__ = ["warmup", "clipping"]
 
 
-def _c16_run(warmup: int, warmup_formula: str) -> tuple[float, float]:
-    """Train the tiny GPT briefly; return (how far update 0 moved the weights, the final loss)."""
-    config = TrainConfig.preset("tiny", steps=30, batch_size=8, block_size=16, lr=1e-2, warmup=warmup,
-                                warmup_formula=warmup_formula, min_lr=1e-3, seed=0)
-    trainer = Trainer(config=config, progress=False)
-    before = [p.detach().clone() for p in trainer.model.parameters()]
-    trainer.step()
-    moved = max((p.detach() - b).abs().max().item() for p, b in zip(trainer.model.parameters(), before,
-                                                                         strict=True))
-    trainer.fit()
-    return moved, sum(h["loss"] for h in trainer.history[-5:]) / 5  # mean of the last 5: less batch noise
+def _lr(value: float | None) -> str:
+    return "none" if value is None else f"{value:.0e}"
 
 
 @register("C16", chapter=6)
@@ -32,23 +26,31 @@ def warmup() -> Measurement:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matmuls: a second thread only adds spinning (tests/conftest.py one_thread)
     try:
-        runs = {name: _c16_run(steps, formula) for name, steps, formula in
-                (("material", 10, "material"), ("shifted", 10, "shifted"), ("none", 0, "shifted"))}
+        sweep = warmup_sweep.recent()  # what chapter 6's cell showed (measured here if none)
     finally:
         torch.set_num_threads(threads)
-    wasted = runs["material"][0] == 0.0 and runs["shifted"][0] > 0.0
+    none, warm, differences, direction = sweep.compare_best()
+    stable = {w: sweep.highest_stable_lr(w) for w in sweep.warmups}
+    lowest = sweep.lrs[0]
+    at_lowest = {w: sweep.direction(sweep.effect(w, lowest)) for w in sweep.warmups[1:]}
+    helps = sweep.helps()
     return Measurement(
-        value={"update 0 moved weights by (material)": runs["material"][0],
-               "update 0 moved weights by (ours)": runs["shifted"][0],
-               "final loss, material warmup": runs["material"][1], "final loss, our warmup": runs["shifted"][1],
-               "final loss, no warmup": runs["none"][1]},
-        unit="max |Δw|, nats",
-        text=(f"with base_lr·min(step/warmup, 1) update 0 has LR 0 and moves no weight (max |Δw| = "
-              f"{runs['material'][0]:g}); with (step+1)/warmup it moves them by {runs['shifted'][0]:.2g}. "
-              f"Tiny GPT, 30 AdamW steps at peak LR 1e-2, warmup 10 then cosine: final loss "
-              f"{runs['material'][1]:.3f} (material), {runs['shifted'][1]:.3f} (ours), "
-              f"{runs['none'][1]:.3f} without warmup"),
-        device=here(), verdict="holds with conditions" if wasted else "holds")
+        value={"best loss, no warmup": sweep.mean(*none), "best loss, warmup": sweep.mean(*warm),
+               "largest per-seed gain of the warmed-up best": -min(differences),
+               "smallest per-seed gain of the warmed-up best": -max(differences),
+               "highest stable peak LR, no warmup": stable[0] or 0.0,
+               "highest stable peak LR, warmup": max(v or 0.0 for w, v in stable.items() if w)},
+        unit="nats/token, LR",
+        text=(f"tiny GPT, {sweep.steps} AdamW updates, no clipping; warmup {', '.join(map(str, sweep.warmups))} × "
+              f"peak LR {_lr(sweep.lrs[0])}…{_lr(sweep.lrs[-1])}, seeds {len(sweep.seeds)}: the loss stayed down up "
+              f"to LR {_lr(stable[0])} without warmup, {' / '.join(_lr(stable[w]) for w in sweep.warmups[1:])} with "
+              f"warmup {' / '.join(map(str, sweep.warmups[1:]))}; best loss {sweep.mean(*none):.3f} without "
+              f"(LR {_lr(none[1])}), {sweep.mean(*warm):.3f} with (warmup {warm[0]}, LR {_lr(warm[1])}): "
+              f"{'lower on every seed' if direction == 'lower' else direction}; at LR {_lr(lowest)} warmup "
+              f"{' / '.join(f'{w}: {d}' for w, d in at_lowest.items())}. The ramp's start, LR 0 at update 0 (the "
+              f"material's formula, Hugging Face's get_linear_schedule_with_warmup) or lr/warmup (llmlab's), is a "
+              f"convention; 500–1000 steps is a length for long runs"),
+        device=here(), verdict={True: "holds with conditions", False: "wrong", None: UNDECIDED}[helps])
 
 
 SPIKE_STEP, SPIKE_FACTOR, SPIKE_STEPS = 10, 1e3, 14  # a batch whose gradient is 1000× too large, at update 10

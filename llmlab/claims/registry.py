@@ -18,11 +18,12 @@ from pathlib import Path
 
 from llmlab import validation
 
-__all__ = ["VERDICTS", "INCONCLUSIVE", "REFERENCE_PATH", "ReferenceRow", "Measurement", "Claim", "Row", "ClaimsTable",
-           "Registry", "load_reference"]
+__all__ = ["VERDICTS", "INCONCLUSIVE", "UNDECIDED", "REFERENCE_PATH", "ReferenceRow", "Measurement", "Claim", "Row",
+           "ClaimsTable", "Registry", "load_reference"]
 
 INCONCLUSIVE = "inconclusive here (busy machine)"  # a timed verdict whose rounds spread too wide to decide
-VERDICTS = ("holds", "holds with conditions", "wrong", "misleading", INCONCLUSIVE)
+UNDECIDED = "not conclusive here (the repeats disagree)"  # repeated runs (seeds) of a measurement point both ways
+VERDICTS = ("holds", "holds with conditions", "wrong", "misleading", INCONCLUSIVE, UNDECIDED)
 
 REFERENCE_PATH = Path(__file__).resolve().parent.parent / "CLAIMS.md"
 
@@ -156,7 +157,7 @@ class ClaimsTable:
     __str__ = to_markdown
 
     _COLOURS = {"holds": "#1a7f37", "holds with conditions": "#9a6700", "wrong": "#cf222e",
-                "misleading": "#cf222e", INCONCLUSIVE: "#6e7781", "error": "#6e7781"}
+                "misleading": "#cf222e", INCONCLUSIVE: "#6e7781", UNDECIDED: "#6e7781", "error": "#6e7781"}
 
     def _repr_html_(self) -> str:
         if not self.rows:

@@ -9,20 +9,24 @@ Steps count optimizer updates from 0: update s is taken with `lr(s)`. The materi
 
     base_lr * min(step / warmup, 1)                 # material_warmup_lr: lr(0) = 0
 
-gives update 0 a learning rate of exactly 0, so the first batch's gradient is computed and thrown away (with
-AdamW not even the weight decay acts: it is multiplied by the LR too). This module's warmup is shifted by one,
+gives update 0 a learning rate of exactly 0, as Hugging Face's `get_linear_schedule_with_warmup` does
+(`current_step / max(1, num_warmup_steps)`, transformers' src/transformers/optimization.py): update 0 moves no
+weight, while AdamW still folds its gradient into its moments. This module's warmup starts one update later on the
+same line,
 
     base_lr * min((step + 1) / warmup, 1)           # warmup_cosine_lr: lr(0) = base_lr / warmup
 
-so update 0 already learns and update warmup-1 is the first at the full LR, still `warmup` updates of ramp.
+so update 0 already moves the weights and update warmup-1 is the first at the full LR, still `warmup` updates of
+ramp. Both are linear warmups; they differ by one update of the ramp (and `warmup=0` divides by zero in the
+material's formula as written, where Hugging Face's max(1, ·) guards it).
 
     from llmlab.train.schedule import LRSchedule
     schedule = LRSchedule(base_lr=1e-3, total_steps=200, warmup=20, min_lr=1e-4)   # decay="cosine"
     schedule.lr(0), schedule.lr(19), schedule.lr(199)                               # 5e-05, 1e-3, 1e-4
     torch.optim.lr_scheduler.LambdaLR(opt, schedule)                                # multiplier lr(s)/base_lr
 
-Run the tests: `.venv/bin/pytest tests/test_train_schedule.py`. Claim C16 (the material's warmup wastes update 0)
-is measured in `llmlab.claims.ch06`.
+Run the tests: `.venv/bin/pytest tests/test_train_schedule.py`. Claim C16 (warm up over the first steps) is measured
+by a sweep of warmup length × peak LR, `llmlab.train.sweep`, in `llmlab.claims.ch06`.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ def warmup_cosine_lr(step: int, base_lr: float, warmup: int, total_steps: int, m
     """The LR of update `step` (0-based): linear warmup to `base_lr` over updates 0..warmup-1, then half a
     cosine from `base_lr` (update `warmup`) down to `min_lr` (update total_steps-1, the last); `min_lr` after.
 
-    Warmup uses (step + 1) / warmup, so update 0 is not wasted (see the module docstring).
+    Warmup uses (step + 1) / warmup, so update 0 already moves the weights (see the module docstring).
     """
     _check(base_lr, total_steps, warmup, min_lr)
     validation.integer("step", step, low=0)

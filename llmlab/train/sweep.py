@@ -1,0 +1,172 @@
+"""Warmup length × peak learning rate, swept on the tiny GPT: does warmup let a higher peak LR train stably, and
+does it reach a lower loss? (Chapter 6, §6.1, and claim C16.)
+
+The material (§6.1) says to warm up linearly over the first 500–1000 steps. That count belongs to long runs — the
+Transformer warmed up over 4000 of its 100,000 steps (Vaswani et al. 2017, §5.3), GPT-3 over 375M of its 300B tokens
+(Brown et al. 2020, §B) — and what it is for can be tested on a short one: a run here is `steps` updates, and the
+warmups swept are counts of updates in it.
+
+Each cell (warmup, peak LR) is trained once per seed — the seed sets the model's initialisation, the Markov source
+and the batches (`TrainConfig.seed`) — with AdamW, no clipping (so that warmup alone acts), warmup then a cosine to
+lr/10. A run's loss is the mean of its last `tail` updates' losses. Warmup is compared with none *paired by seed*:
+"lower" or "higher" only when every seed's difference has the same sign, else "not conclusive". A run is **stable**
+when no update after the first pushed its loss more than `RISE` nats above its starting loss (a fresh model's, about
+ln V): at too high an LR the first full-size updates throw the model above a uniform guess.
+
+    from llmlab.train.sweep import warmup_sweep
+    sweep = warmup_sweep()            # ≈15 s on one CPU thread; warmup_sweep.recent() reuses the last sweep
+    sweep.rows()                      # a table: per peak LR, each warmup's loss (mean ± half-range over seeds)
+    print(sweep.findings())           # the sentences, printed from the numbers
+
+Run the tests: `.venv/bin/pytest tests/test_train_sweep.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from llmlab import timing, validation
+from llmlab.train.trainer import TrainConfig, Trainer
+
+__all__ = ["RISE", "Run", "WarmupSweep", "warmup_sweep"]
+
+# nats above the starting loss that count as "the loss went up": batch-to-batch noise at initialisation is ~0.02
+# nats (a fresh model predicts nearly uniformly on every batch), a throw-off by a too-large first step is 0.1–1
+RISE = 0.1
+
+
+@dataclass(frozen=True)
+class Run:
+    final: float  # mean loss of the last `tail` updates (nats/token)
+    rise: float  # the highest loss after update 0 minus update 0's loss: > RISE means the run was thrown up
+
+
+@dataclass(frozen=True)
+class WarmupSweep:
+    warmups: tuple[int, ...]  # warmups[0] == 0: the baseline, no warmup
+    lrs: tuple[float, ...]  # peak learning rates, ascending
+    seeds: tuple[int, ...]
+    steps: int
+    tail: int
+    runs: dict  # (warmup, lr, seed) -> Run
+
+    def finals(self, warmup: int, lr: float) -> list[float]:
+        return [self.runs[warmup, lr, s].final for s in self.seeds]
+
+    def mean(self, warmup: int, lr: float) -> float:
+        return statistics.fmean(self.finals(warmup, lr))
+
+    def stable(self, warmup: int, lr: float) -> bool:
+        """No seed's loss rose more than RISE above where it started."""
+        return all(self.runs[warmup, lr, s].rise <= RISE for s in self.seeds)
+
+    def highest_stable_lr(self, warmup: int) -> float | None:
+        """The highest peak LR below which every LR swept was stable with this warmup (None: not even the lowest)."""
+        best = None
+        for lr in self.lrs:
+            if not self.stable(warmup, lr):
+                break
+            best = lr
+        return best
+
+    @staticmethod
+    def direction(differences: list[float]) -> str:
+        """'lower' / 'higher' when every paired difference has that sign, else 'not conclusive'."""
+        if max(differences) < 0:
+            return "lower"
+        if min(differences) > 0:
+            return "higher"
+        return "not conclusive"
+
+    def effect(self, warmup: int, lr: float) -> list[float]:
+        """Per seed: this warmup's loss minus no warmup's, at the same peak LR."""
+        return [a - b for a, b in zip(self.finals(warmup, lr), self.finals(0, lr), strict=True)]
+
+    def best(self, warmups) -> tuple[int, float]:
+        """The (warmup, lr) cell of the lowest mean loss among `warmups`."""
+        return min(((w, lr) for w in warmups for lr in self.lrs), key=lambda cell: self.mean(*cell))
+
+    def rows(self) -> list[dict]:
+        """One row per peak LR: each warmup's loss (mean ± half the range over seeds, † where unstable) and how it
+        compares with no warmup."""
+        rows = []
+        for lr in self.lrs:
+            row = {"peak LR": f"{lr:.0e}"}
+            for w in self.warmups:
+                finals = self.finals(w, lr)
+                row[f"warmup {w}"] = (f"{statistics.fmean(finals):.3f} ±{(max(finals) - min(finals)) / 2:.3f}"
+                                      + ("" if self.stable(w, lr) else " †"))
+                if w:
+                    row[f"warmup {w} vs none"] = self.direction(self.effect(w, lr))
+            rows.append(row)
+        return rows
+
+    def compare_best(self) -> tuple[tuple[int, float], tuple[int, float], list[float], str]:
+        """The best cell without warmup, the best with, the per-seed differences (with − without), the direction."""
+        none, warm = self.best([0]), self.best(self.warmups[1:])
+        differences = [a - b for a, b in zip(self.finals(*warm), self.finals(*none), strict=True)]
+        return none, warm, differences, self.direction(differences)
+
+    def findings(self) -> str:
+        """What the sweep shows, in sentences printed from its numbers."""
+        none, warm, differences, direction = self.compare_best()
+        stable = {w: self.highest_stable_lr(w) for w in self.warmups}
+        said = ", ".join(f"{'none' if w == 0 else w}: {'none' if lr is None else f'{lr:.0e}'}"
+                         for w, lr in stable.items())
+        per_lr = "; ".join(f"at {lr:.0e} " + ", ".join(f"warmup {w} {self.direction(self.effect(w, lr))}"
+                                                      for w in self.warmups[1:]) for lr in self.lrs)
+        spread = f"{min(differences):+.3f} … {max(differences):+.3f}"
+        verdict = {"lower": "lower with warmup on every seed", "higher": "higher with warmup on every seed"}.get(
+            direction, "not conclusive: the seeds disagree")
+        return (f"{len(self.runs)} runs of {self.steps} updates (tiny GPT, AdamW, no clipping, seeds "
+                f"{', '.join(map(str, self.seeds))}). Highest peak LR at which the loss never rose more than {RISE} "
+                f"nats above its start, by warmup — {said}. Lowest loss without warmup: {self.mean(*none):.3f} at LR "
+                f"{none[1]:.0e}; with warmup: {self.mean(*warm):.3f} (warmup {warm[0]}, LR {warm[1]:.0e}); per seed "
+                f"the warmed-up best minus the unwarmed best is {spread}: {verdict}. Loss with warmup against none, "
+                f"per peak LR (paired by seed): {per_lr}.")
+
+    def helps(self) -> bool | None:
+        """True when warmup both reached a lower loss on every seed and trained stably at a higher peak LR than no
+        warmup did; False when it did neither; None when the sweep does not decide."""
+        _, _, _, direction = self.compare_best()
+        none_lr = self.highest_stable_lr(0)
+        higher = any((lr or 0) > (none_lr or 0) for lr in map(self.highest_stable_lr, self.warmups[1:]))
+        if direction == "lower" and higher:
+            return True
+        if direction == "higher" and not higher:
+            return False
+        return None
+
+
+@timing.remembered
+def warmup_sweep(warmups: tuple[int, ...] = (0, 10, 30), lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2),
+                 seeds: tuple[int, ...] = (0, 1, 2), steps: int = 100, tail: int = 10, batch_size: int = 8,
+                 block_size: int = 16) -> WarmupSweep:
+    """Train the tiny GPT for every (warmup, peak LR, seed); see the module docstring. `warmup_sweep.recent(...)`
+    returns the last sweep with these arguments in this process (chapter 6's cell, then claim C16)."""
+    warmups, lrs, seeds = tuple(warmups), tuple(sorted(lrs)), tuple(seeds)
+    validation.integer("steps", steps, low=2)  # update 0's loss, and at least one after it
+    if not warmups or warmups[0] != 0 or len(set(warmups)) != len(warmups) or len(warmups) < 2:
+        raise ValueError(f"warmups={warmups!r} must start with 0 (the baseline) and hold another, distinct length")
+    for w in warmups:
+        validation.integer("warmups", w, 0, steps, hint=f"(a count of updates in a run of steps={steps})")
+    for lr in lrs:
+        validation.positive("lrs", lr)
+    if not lrs or not seeds:
+        raise ValueError(f"lrs={lrs!r} and seeds={seeds!r} must not be empty")
+    validation.integer("tail", tail, 1, steps, hint=f"(updates at the end of a run of steps={steps})")
+    runs = {}
+    for w in warmups:
+        for lr in lrs:
+            for seed in seeds:
+                config = TrainConfig.preset("tiny", steps=steps, warmup=w, lr=lr, min_lr=lr / 10, grad_clip=None,
+                                            batch_size=batch_size, block_size=block_size, seed=seed)
+                trainer = Trainer(config=config, progress=False)
+                loss = [h["loss"] for h in trainer.fit()]
+                if not all(math.isfinite(v) for v in loss):  # diverged: worse than any finite loss
+                    runs[w, lr, seed] = Run(final=math.inf, rise=math.inf)
+                else:
+                    runs[w, lr, seed] = Run(final=statistics.fmean(loss[-tail:]), rise=max(loss[1:]) - loss[0])
+    return WarmupSweep(warmups, lrs, seeds, steps, tail, runs)
