@@ -1,5 +1,5 @@
 """Chapter 6's exercise checks (llmlab.checks.ch06): each passes a right answer, reports an unwritten one as not
-attempted, and fails each plausible wrong answer with a message naming the mistake — the material's warmup, a
+attempted, and fails each plausible wrong answer with a message naming the mistake — a ramp past peak_lr, a
 decay to 0, per-tensor clipping, the norm after clipping, clipping before unscaling — and the hint.
 
 The wrong answers are the right one with one thing changed (a `mistake` argument), so each test shows the one
@@ -29,10 +29,11 @@ def unwritten(*args):
 
 # --- 6.1 ----------------------------------------------------------------------------------------------------
 
-def lr_at(step, peak_lr, warmup, total, min_lr, mistake=None):
-    """Linear warmup then cosine decay, written out; `mistake` changes one thing."""
-    if step < warmup:
-        return peak_lr * (step if mistake == "material" else step + 1) / warmup
+def lr_at(step, peak_lr, warmup, total, min_lr, mistake=None, shift=1):
+    """Linear warmup then cosine decay, written out; `mistake` changes one thing. `shift` 1: llmlab's ramp,
+    (step + 1)/warmup; 0: the ramp from LR 0 at update 0, step/warmup (the material's, Hugging Face's)."""
+    if step < warmup or (mistake == "ramp too long" and step == warmup > 0):
+        return peak_lr * (step + shift) / (total if mistake == "over total" else warmup)
     span = total - (0 if mistake == "one too long" else 1) - (0 if mistake == "from zero" else warmup)
     start = 0 if mistake == "from zero" else warmup
     if mistake == "unguarded":
@@ -47,7 +48,9 @@ def lr_at(step, peak_lr, warmup, total, min_lr, mistake=None):
 
 
 LR_MISTAKES = {  # mistake: (what the message says, a word of the hint)
-    "material": (r"the material's formula base_lr·min\(step/warmup, 1\): update 0 gets LR 0", "(step + 1)/warmup"),
+    "ramp too long": (r"step=10, .*the ramp runs one update too long: update warmup is above peak_lr",
+                      "(step + 1)/warmup"),
+    "over total": (r"the ramp divides by total, not warmup", "(step + 1)/warmup"),
     "from zero": (r"the cosine starts at update 0, not at the end of warmup", "progress = min((step − warmup)"),
     "to zero": (r"the LR decays to 0, not to min_lr", "min_lr + (peak_lr − min_lr)"),
     "one too long": (r"the decay is one update too long, so the last update \(total − 1\) ends above min_lr",
@@ -64,6 +67,16 @@ LR_MISTAKES = {  # mistake: (what the message says, a word of the hint)
 def material(step, peak_lr, warmup, total, min_lr):  # the material's own warmup, then llmlab's decay
     return material_warmup_lr(step, peak_lr, warmup) if step < warmup else \
         warmup_cosine_lr(step, peak_lr, warmup, total, min_lr)
+
+
+def hugging_face(step, peak_lr, warmup, total, min_lr):
+    """transformers' get_cosine_with_min_lr_schedule_with_warmup ramp, current_step / max(1, num_warmup_steps),
+    (transformers, src/transformers/optimization.py), on llmlab's decay (which ends at update total − 1)."""
+    return peak_lr * step / max(1, warmup) if step < warmup else warmup_cosine_lr(step, peak_lr, warmup, total, min_lr)
+
+
+def mixed(step, peak_lr, warmup, total, min_lr):  # LR 0 at update 0, then llmlab's ramp: not one line
+    return 0.0 if step == 0 < warmup else lr_at(step, peak_lr, warmup, total, min_lr)
 
 
 def ramp_first(step, peak_lr, warmup, total, min_lr):
@@ -166,9 +179,14 @@ STEP_MISTAKES = {
 ANSWERS = [
     Reference(ch06.lr_at, lr_at),
     Reference(ch06.lr_at, warmup_cosine_lr),  # llmlab's own, the reference
-    *[Mistake(ch06.lr_at, lambda *args, m=mistake: lr_at(*args, mistake=m), match=match, hint=hint)
-      for mistake, (match, hint) in LR_MISTAKES.items()],
-    Mistake(ch06.lr_at, material, match=r"lr_at\(step=0, .* = 0, expected 0.0001: that is the material's formula",
+    Reference(ch06.lr_at, lambda *args: lr_at(*args, shift=0)),  # LR 0 at update 0, then the same line
+    Reference(ch06.lr_at, material),  # the material's own warmup, then llmlab's decay
+    Reference(ch06.lr_at, hugging_face),
+    *[Mistake(ch06.lr_at, lambda *args, m=mistake, s=shift: lr_at(*args, mistake=m, shift=s), match=match, hint=hint)
+      for mistake, (match, hint) in LR_MISTAKES.items()
+      for shift in ((1,) if mistake == "ramp too long" else (1, 0))],  # the same slips on either ramp (from 0, a
+    # ramp one update longer ends at peak_lr·warmup/warmup, which is right unless no decay span is left)
+    Mistake(ch06.lr_at, mixed, match=r"lr_at\(step=1, .* = 0.0002, expected 0.0001: update 0 had LR 0, .* keep to one",
             hint="(step + 1)/warmup"),
     Mistake(ch06.lr_at, ramp_first, match="warmup=0 means no warmup", hint="(step + 1)/warmup"),
     Mistake(ch06.lr_at, lambda *args: "high", match=r"returned 'high'; expected a number", hint="cos(π·progress)"),

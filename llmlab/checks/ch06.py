@@ -7,9 +7,13 @@
 
 **6.1** compares with `llmlab.train.schedule.warmup_cosine_lr` at every update of fresh random runs and of the
 edge cases: no warmup, warmup = total, warmup = total − 1 (nothing left to decay over), min_lr = 0 and = peak_lr,
-and three updates past the end. It names the material's step/warmup (LR 0 at update 0), a cosine started at update
-0 instead of at the end of warmup, a decay to 0 instead of min_lr, a decay one update too long (the last update
-above min_lr), an LR rising again after the end, and a division by zero or a negative span in the edge cases.
+and three updates past the end. Either start of the linear ramp is accepted, consistently through a run: llmlab's
+(step + 1)/warmup, or step/warmup with LR 0 at update 0 — the material's formula and what Hugging Face's
+`get_linear_schedule_with_warmup` does (`current_step / max(1, num_warmup_steps)`, transformers'
+src/transformers/optimization.py). It names a ramp that runs one update too long (above peak_lr at update warmup) or
+divides by total instead of warmup, a cosine started at update 0 instead of at the end of warmup, a decay to 0
+instead of min_lr, a decay one update too long (the last update above min_lr), an LR rising again after the end, and
+a division by zero or a negative span in the edge cases.
 
 **6.2** compares with `torch.nn.utils.clip_grad_norm_` on float32 parameter lists of odd shapes (0-d included),
 clipped and under the max, with some `.grad` None, with none at all, and passed as a generator (as
@@ -75,9 +79,15 @@ def _lr_mistakes():
     """(the LR a mistake gives at update s, or None where it agrees with the definition; what the mistake is)."""
 
     return (
-        (lambda s, p, w, t, m: p * s / w if s < w else None,
-         "that is the material's formula base_lr·min(step/warmup, 1): update 0 gets LR 0 and its gradient is wasted; "
-         "use (step + 1)/warmup, so update 0 learns and update warmup−1 is the first at peak_lr"),
+        (lambda s, p, w, t, m: p * (s + 1) / w if s == w and w else None,
+         "the ramp runs one update too long: update warmup is above peak_lr (peak_lr·(warmup + 1)/warmup); the ramp "
+         "is updates 0 … warmup − 1 (step < warmup), and update warmup starts the cosine at peak_lr"),
+        (lambda s, p, w, t, m: p * (s + 1) / w if 0 < s < w else None,  # only ever differs from a ramp from 0
+         "update 0 had LR 0, the ramp from 0 (step/warmup), but this update follows (step + 1)/warmup: keep to one "
+         "line, either peak_lr·step/warmup or peak_lr·(step + 1)/warmup for every step < warmup"),
+        *((lambda s, p, w, t, m, k=k: p * (s + k) / t if s + k > 0 and s < w < t else None,
+           "the ramp divides by total, not warmup: it climbs only to peak_lr·warmup/total and then jumps to peak_lr")
+          for k in (1, 0)),  # on either start of the ramp (from 0, update 0 is right: the slip shows from update 1)
         (lambda s, p, w, t, m: _cosine(p, m, min(s / (t - 1), 1.0)) if w <= s and t > 1 else None,
          "the cosine starts at update 0, not at the end of warmup: progress = (step − warmup)/(total − 1 − warmup) is "
          "0 at update warmup (LR = peak_lr) and 1 at the last update, total − 1"),
@@ -109,18 +119,24 @@ def _lr(fn, step: int, peak: float, warmup: int, total: int, floor: float, what:
 
 
 @check("6.1", "linear warmup, then cosine decay",
-       hint="for step < warmup, lr = peak_lr·(step + 1)/warmup; after it, progress = min((step − warmup)/(total − 1 − "
-            "warmup), 1) (1 when total − 1 − warmup ≤ 0) and lr = min_lr + (peak_lr − min_lr)·½(1 + cos(π·progress))")
+       hint="for step < warmup, lr = peak_lr·(step + 1)/warmup (or peak_lr·step/warmup, LR 0 at update 0, as "
+            "Hugging Face's schedulers do); after it, progress = min((step − warmup)/(total − 1 − warmup), 1) (1 when "
+            "total − 1 − warmup ≤ 0) and lr = min_lr + (peak_lr − min_lr)·½(1 + cos(π·progress))")
 def lr_at(fn):
-    """`fn(step, peak_lr, warmup, total, min_lr)`: the LR of update `step`, as warmup_cosine_lr defines it."""
+    """`fn(step, peak_lr, warmup, total, min_lr)`: the LR of update `step`, as warmup_cosine_lr defines it, or with
+    the ramp started at 0 (peak_lr·step/warmup)."""
 
     mistakes = _lr_mistakes()
     for peak, warmup, total, floor in _lr_cases(fresh_rng()):
         tol = dict(rel_tol=1e-9, abs_tol=1e-12 * peak)  # float64: another arrangement differs by a few ulp of peak
+        from_zero = False  # which start of the ramp this answer uses: decided at update 0, then held to it
         for step in range(total + 3):  # every update of the run, and three after it (at min_lr)
             what = f"lr_at(step={step}, peak_lr={peak:.4g}, warmup={warmup}, total={total}, min_lr={floor:.4g})"
             got = _lr(fn, step, peak, warmup, total, floor, what)
-            want = warmup_cosine_lr(step, peak, warmup, total, floor)
+            if step == 0 and warmup:
+                from_zero = math.isclose(got, 0.0, abs_tol=tol["abs_tol"])  # step/warmup: LR 0 at update 0
+            want = peak * step / warmup if from_zero and step < warmup else \
+                warmup_cosine_lr(step, peak, warmup, total, floor)
             if math.isclose(got, want, **tol):
                 continue
             known = next((text for mistake, text in mistakes

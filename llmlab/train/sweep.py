@@ -27,6 +27,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
+from tqdm.auto import tqdm
+
 from llmlab import timing, validation
 from llmlab.train.trainer import TrainConfig, Trainer
 
@@ -158,15 +160,15 @@ def warmup_sweep(warmups: tuple[int, ...] = (0, 10, 30), lrs: tuple[float, ...] 
         raise ValueError(f"lrs={lrs!r} and seeds={seeds!r} must not be empty")
     validation.integer("tail", tail, 1, steps, hint=f"(updates at the end of a run of steps={steps})")
     runs = {}
-    for w in warmups:
-        for lr in lrs:
-            for seed in seeds:
-                config = TrainConfig.preset("tiny", steps=steps, warmup=w, lr=lr, min_lr=lr / 10, grad_clip=None,
-                                            batch_size=batch_size, block_size=block_size, seed=seed)
-                trainer = Trainer(config=config, progress=False)
-                loss = [h["loss"] for h in trainer.fit()]
-                if not all(math.isfinite(v) for v in loss):  # diverged: worse than any finite loss
-                    runs[w, lr, seed] = Run(final=math.inf, rise=math.inf)
-                else:
-                    runs[w, lr, seed] = Run(final=statistics.fmean(loss[-tail:]), rise=max(loss[1:]) - loss[0])
+    cells = [(w, lr, seed) for w in warmups for lr in lrs for seed in seeds]
+    # no disable=: `llmlab site` sets TQDM_DISABLE, which an explicit one would override
+    for w, lr, seed in tqdm(cells, desc="warmup × peak LR", unit="run", leave=False):
+        config = TrainConfig.preset("tiny", steps=steps, warmup=w, lr=lr, min_lr=lr / 10, grad_clip=None,
+                                    batch_size=batch_size, block_size=block_size, seed=seed)
+        trainer = Trainer(config=config, progress=False)
+        loss = [h["loss"] for h in trainer.fit()]
+        if not all(math.isfinite(v) for v in loss):  # diverged: worse than any finite loss
+            runs[w, lr, seed] = Run(final=math.inf, rise=math.inf)
+        else:
+            runs[w, lr, seed] = Run(final=statistics.fmean(loss[-tail:]), rise=max(loss[1:]) - loss[0])
     return WarmupSweep(warmups, lrs, seeds, steps, tail, runs)
