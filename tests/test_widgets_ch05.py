@@ -94,13 +94,30 @@ def test_unknown_preset_and_model_are_refused():
         widgets.cluster_estimate(model="GPT-5")
 
 
-def test_step_figure_stacks_the_parts():
-    r = widgets.cluster_estimate()
+def test_step_figure_stacks_the_parts_under_each_network():
+    r = widgets.cluster_estimate("7b-64xH100")
     ax = widgets.cluster_step_figure(r).axes[0]
-    assert len(ax.patches) == len(widgets.STEP_PARTS)
-    assert sum(p.get_width() for p in ax.patches) == pytest.approx(r["total"])  # float sums in another order
+    assert len(ax.patches) == len(widgets.STEP_PARTS) * len(cluster.NETWORKS)
+    ends = {}
+    for p in ax.patches:  # a bar's end: the right edge of its last part
+        ends[p.get_y()] = max(ends.get(p.get_y(), 0.0), p.get_x() + p.get_width())
+    want = [t.total for t in r["by_network"].values()]  # the config's own network first, drawn at the top
+    assert [ends[y] for y in sorted(ends)] == pytest.approx(want)  # float sums in another order
+    assert [t.get_text() for t in ax.get_yticklabels()] == [cluster.NETWORKS[k] for k in r["by_network"]]
     assert any(line.get_xdata()[0] == pytest.approx(r["total"] - r["comm_hidden"]) for line in ax.lines)
     assert "seconds" in ax.get_xlabel()
+
+
+@pytest.mark.parametrize("network", list(cluster.NETWORKS))
+def test_the_estimate_puts_both_networks_side_by_side(network):
+    r = widgets.cluster_estimate("7b-64xH100", network=network)
+    assert list(r["by_network"]) == [network, *(k for k in cluster.NETWORKS if k != network)]
+    assert r["by_network"] == cluster.network_step_times(r["config"]) and r["by_network"][network] == r["step"]
+    other = next(k for k in cluster.NETWORKS if k != network)
+    assert cluster.NETWORKS[network] + ": step" in r["summary"]
+    assert f"with {cluster.NETWORKS[other]}: step" in r["summary"]
+    flat, hierarchical = (r["by_network"][k].dp_allreduce for k in ("nic-per-node", "nic-per-gpu"))
+    assert hierarchical < flat / 5  # 64 H100s, 8 per node, 100 Gb/s: S/8 per NIC against S through one
 
 
 def test_link_figure_has_a_stacked_bar_per_link():
@@ -135,6 +152,9 @@ def test_calculator_recomputes_refuses_and_follows_a_preset():
     calc.controls["tp"].value = 8
     assert "cannot lay out this cluster: tp=8 does not divide n_head=12" in calc.result.value
     calc.controls["tp"].value = 1
+    calc.controls["network"].value = "nic-per-node"
+    assert calc.estimate() == widgets.cluster_estimate("gpt2-8xH100", network="nic-per-node")
+    calc.controls["network"].value = "nic-per-gpu"
     calc.controls["link"].value = "pcie4"
     calc.controls["model"].value = "GPT-2 XL (1.5B)"
     calc.controls["mfu"].value = 0.3

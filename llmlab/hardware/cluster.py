@@ -41,7 +41,7 @@ between nodes, to allow for a network design where each NIC on a node connects t
 https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html#nccl-cross-nic); it splits the data over them
 through NVLink, which pays only when NVLink is at least as fast as the NICs together (S. Jeaugey, NCCL maintainer,
 https://github.com/NVIDIA/nccl/issues/412 and /issues/601). The hierarchical scheme itself is Jia et al. 2018,
-"Highly Scalable Deep Learning Training System with Mixed-Precision" (arXiv:1807.11205), §3.3, and Horovod's
+"Highly Scalable Deep Learning Training System with Mixed-Precision" (arXiv:1807.11205), and Horovod's
 HOROVOD_HIERARCHICAL_ALLREDUCE. A flat ring over one NIC per node is what the same GPUs would get with a single NIC.
 
     from llmlab.hardware import cluster

@@ -1,8 +1,9 @@
 """Chapter 5's explorer (hardware): the cluster calculator over `llmlab.hardware.cluster`, and the step over each link.
 
 - `cluster_calculator()` — a preset, model, tokens, batch, GPU, GPU count, tensor and pipeline degrees (the data
-  degree is what is left: dp = gpus / (tp·pp)), micro-batches, links and MFU → one step's compute and communication
-  by kind, the run's days, GPU-hours and end-to-end MFU, as a stacked bar (the pure function is `cluster_estimate`);
+  degree is what is left: dp = gpus / (tp·pp)), micro-batches, links, the network (a NIC per GPU or one per node),
+  GPUs per node and MFU → one step's compute and communication by kind, the run's days, GPU-hours and end-to-end MFU,
+  as a stacked bar per network side by side (the pure function is `cluster_estimate`);
 - `link_step_figure(...)` — the same step with its cross-node link swapped for each of `cost.LINKS`
   (`cluster.link_step_times`): the chapter's C15 comparison, a stacked bar per link.
 
@@ -23,7 +24,8 @@ __all__ = ["STEP_PARTS", "CALCULATOR_FIELDS", "cluster_models", "cluster_estimat
 # StepTime.parts()'s keys, in the order the bars stack them, with their colours
 STEP_PARTS = {"compute": "C0", "DP all-reduce": "C1", "TP all-reduce": "C2", "PP send": "C3", "PP bubble": "C7"}
 # the ClusterConfig fields the calculator has a control for, besides the preset and the model (dp is derived)
-CALCULATOR_FIELDS = ("tokens", "batch_tokens", "gpu", "gpus", "tp", "pp", "micro_batches", "link", "tp_link", "mfu")
+CALCULATOR_FIELDS = ("tokens", "batch_tokens", "gpu", "gpus", "tp", "pp", "micro_batches", "link", "tp_link",
+                     "network", "gpus_per_node", "mfu")
 
 
 def cluster_models() -> dict:
@@ -65,30 +67,37 @@ def cluster_estimate(preset: str = "gpt3-175b-1024xA100", model: str | None = No
 
     Returns a dict: config, step (the StepTime), parts (its seconds by kind, `STEP_PARTS` order), compute, comm
     (the three kinds of communication together), bubble, total, comm_hidden (what a perfect overlap could save),
-    days, gpu_hours, mfu (end to end), steps, n_params, model (its name), preset, and summary (the one-line
+    days, gpu_hours, mfu (end to end), steps, n_params, model (its name), preset, by_network (the same step under
+    every network of `cluster.NETWORKS`, config.network first: {key: StepTime}), and summary (the one-line
     `format_cluster_estimate`). A layout the library refuses raises its ValueError.
     """
 
     config = _config(preset, model, changes)
     t = cluster.step_time(config)
+    others = {key: s for key, s in cluster.network_step_times(config).items() if key != config.network}
     r = {"preset": preset, "model": _model_name(config), "config": config, "step": t, "parts": t.parts(),
          "compute": t.compute, "comm": t.comm, "bubble": t.pp_bubble, "total": t.total, "comm_hidden": t.comm_hidden,
-         "days": t.days, "gpu_hours": t.gpu_hours, "mfu": t.mfu, "steps": config.steps, "n_params": config.n_params}
+         "days": t.days, "gpu_hours": t.gpu_hours, "mfu": t.mfu, "steps": config.steps, "n_params": config.n_params,
+         "by_network": {config.network: t, **others}}
     r["summary"] = format_cluster_estimate(r)
     return r
 
 
 def format_cluster_estimate(r: dict) -> str:
-    """One line saying what `cluster_estimate` found: the layout, the step part by part, days and GPU-hours."""
+    """One line saying what `cluster_estimate` found: the layout, the step part by part, days and GPU-hours, then
+    the step under each other network."""
 
     c = r["config"]
     days = f"{r['days']:,.1f}" if r["days"] >= 1 else f"{r['days']:.2g}"
     parts = " + ".join(f"{name} {si(s, 's')}" for name, s in r["parts"].items() if s)
     return (f"{r['model']} ({count(r['n_params'])} params) on {c.gpus:,} × {c.gpu}, dp {c.dp} × tp {c.tp} × pp "
             f"{c.pp}, {c.micro_batches} micro-batch{'es' * (c.micro_batches > 1)} of {c.micro_tokens:,} tokens, "
-            f"{cost.LINKS[c.link].name} across nodes: step {si(r['total'], 's')} = {parts} → {count(c.tokens)} tokens "
-            f"in {r['steps']:,.0f} steps = {days} days, {r['gpu_hours']:,.0f} GPU-hours, end-to-end MFU "
-            f"{r['mfu']:.1%} (arithmetic at {c.mfu:.0%})")
+            f"{cost.LINKS[c.link].name} across nodes, {cluster.NETWORKS[c.network]}: step {si(r['total'], 's')} = "
+            f"{parts} → {count(c.tokens)} tokens in {r['steps']:,.0f} steps = {days} days, {r['gpu_hours']:,.0f} "
+            f"GPU-hours, end-to-end MFU {r['mfu']:.1%} (arithmetic at {c.mfu:.1%})"
+            + "".join(f"; with {cluster.NETWORKS[key]}: step {si(t.total, 's')}, DP all-reduce "
+                      f"{si(t.dp_allreduce, 's')}, end-to-end MFU {t.mfu:.1%}"
+                      for key, t in r["by_network"].items() if key != c.network))
 
 
 def _stacked(labels: list[str], steps: list, height: float, left: float):
@@ -110,9 +119,13 @@ def _stacked(labels: list[str], steps: list, height: float, left: float):
 
 
 def cluster_step_figure(r: dict):
-    """A matplotlib Figure (not attached to pyplot): `r`'s step as one stacked bar of its parts, with the best a
-    perfect overlap of communication and compute could do as a dashed line."""
-    fig, ax = _stacked(["step"], [r["step"]], height=2.2, left=0.08)
+    """A matplotlib Figure (not attached to pyplot): `r`'s step under each network of `r["by_network"]` (its own
+    first) as stacked bars of its parts, with the best a perfect overlap of communication and compute could do for
+    its own network as a dashed line."""
+    steps = r["by_network"]
+    fig, ax = _stacked([cluster.NETWORKS[key] for key in steps], list(steps.values()), height=1.5 + 0.35 * len(steps),
+                       left=0.27)
+    ax.tick_params(axis="y", labelsize=7)
     ax.axvline(r["total"] - r["comm_hidden"], color="k", ls="--", lw=1)
     ax.set_title(f"{r['model']} on {r['config'].gpus:,} × {r['config'].gpu}: {si(r['total'], 's')} per step "
                  f"(dashed: {si(r['total'] - r['comm_hidden'], 's')} with communication fully overlapped)",
@@ -165,6 +178,7 @@ def cluster_calculator(preset: str = "gpt3-175b-1024xA100", model: str | None = 
                                  layout=layout, continuous_update=False)
 
     links = [(link.name, key) for key, link in cost.LINKS.items()]
+    networks = [(name, key) for key, name in cluster.NETWORKS.items()]
     controls = {
         "preset": w.Dropdown(options=list(cluster.PRESETS), value=preset, description="preset", style=style,
                              layout=layout),
@@ -181,8 +195,11 @@ def cluster_calculator(preset: str = "gpt3-175b-1024xA100", model: str | None = 
         "micro_batches": slider("micro_batches", [2**e for e in range(10)], "micro-batches"),
         "link": w.Dropdown(options=links, value=start.link, description="link across nodes", style=style,
                            layout=layout),
-        "tp_link": w.Dropdown(options=links, value=start.tp_link, description="link for tp", style=style,
+        "tp_link": w.Dropdown(options=links, value=start.tp_link, description="link inside a node", style=style,
                               layout=layout),
+        "network": w.Dropdown(options=networks, value=start.network, description="network", style=style,
+                              layout=layout),
+        "gpus_per_node": slider("gpus_per_node", [1, 2, 4, 8, 16], "GPUs per node"),
         "mfu": w.FloatSlider(value=start.mfu, min=0.01, max=1.0, step=0.01, readout_format=".2f",
                              description="MFU of the arithmetic", style=style, layout=layout, continuous_update=False),
     }
@@ -211,6 +228,6 @@ def cluster_calculator(preset: str = "gpt3-175b-1024xA100", model: str | None = 
     columns = list(controls.values())
     box = result_explorer(controls, current, lambda r: r["summary"], cluster_step_figure, handlers=handlers,
                           refused="cannot lay out this cluster",
-                          layout=[w.HBox([w.VBox(columns[:6]), w.VBox(columns[6:])])])
+                          layout=[w.HBox([w.VBox(columns[:7]), w.VBox(columns[7:])])])
     box.estimate = current
     return box
