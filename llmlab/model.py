@@ -19,7 +19,11 @@ Usage::
 
 Attention is written out (q @ k^T / sqrt(d), causal mask, softmax, dropout, @ v) so its FLOPs and head
 split are visible; `GPTConfig(flash=True)` uses `F.scaled_dot_product_attention` instead, which computes
-the same thing with a fused kernel where one exists.
+the same thing with a fused kernel where one exists. `GPTConfig(recompute="selective")` is Korthikanti et
+al.'s selective activation recomputation (2022, "Reducing Activation Recomputation in Large Transformer
+Models", §5; Megatron-LM's `--recompute-granularity selective`): the attention core (q·kᵀ, mask, softmax,
+dropout, ·v) runs under `torch.utils.checkpoint`, so its B·nh·T² tensors are rebuilt in backward instead of
+kept; q, k and v are kept as the recompute's input. Whole-block checkpointing is `llmlab.memory.checkpoint`.
 
 Shape names in comments: B batch, T sequence length, C = n_embd, nh = n_head, hs = C // nh, V = vocab_size.
 """
@@ -32,17 +36,22 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from llmlab import validation
 from llmlab.presets import from_preset
 
-__all__ = ["GPTConfig", "PRESETS", "GPT", "Block", "CausalSelfAttention", "MLP"]
+__all__ = ["GPTConfig", "PRESETS", "RECOMPUTE", "GPT", "Block", "CausalSelfAttention", "MLP"]
+
+# What the model itself recomputes in backward: nothing, or the attention core ("selective").
+RECOMPUTE = ("none", "selective")
 
 
 @dataclass(frozen=True)
 class GPTConfig:
     """The shape of a GPT. `dropout` applies to embeddings, attention weights and residual branches;
-    `bias` adds biases to every Linear and LayerNorm; `flash` picks the fused attention kernel."""
+    `bias` adds biases to every Linear and LayerNorm; `flash` picks the fused attention kernel; `recompute`
+    is one of RECOMPUTE ("selective": the attention core is recomputed in backward, not saved)."""
 
     vocab_size: int
     block_size: int  # the longest sequence the model accepts (number of position embeddings)
@@ -52,6 +61,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True
     flash: bool = False
+    recompute: str = "none"
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -62,6 +72,8 @@ class GPTConfig:
             raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
         for name in ("bias", "flash"):
             validation.boolean(name, getattr(self, name))
+        validation.one_of("recompute", self.recompute, RECOMPUTE,
+                          hint="(whole blocks are checkpointed by llmlab.memory.checkpoint)")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> GPTConfig:
@@ -82,11 +94,16 @@ PRESETS = {
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: nn.Dropout,
-                     flash: bool = False) -> torch.Tensor:
+                     flash: bool = False, recompute: str = "none") -> torch.Tensor:
     """softmax(q·kᵀ/√hs + causal mask)·v for q, k, v of shape (B, nh, T, hs); returns (B, nh, T, hs).
 
-    Shared by `CausalSelfAttention` and the tensor-parallel attention (which runs it on its share of heads).
+    With `recompute="selective"` (and grad enabled) it runs under torch.utils.checkpoint (non-reentrant; the
+    RNG state is restored for the recompute, so dropout draws the same mask): autograd keeps q, k, v and
+    nothing of the B·nh·T² insides. Shared by `CausalSelfAttention` and the tensor-parallel attention (which
+    runs it on its share of heads).
     """
+    if recompute == "selective" and torch.is_grad_enabled():
+        return torch_checkpoint(causal_attention, q, k, v, dropout, flash, use_reentrant=False)  # (B, nh, T, hs)
     if flash:
         p = dropout.p if dropout.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # (B, nh, T, hs)
@@ -113,7 +130,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head = config.n_head
-        self.flash = config.flash
+        self.flash, self.recompute = config.flash, config.recompute
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.attn_dropout = nn.Dropout(config.dropout)
@@ -123,7 +140,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         # Split C into n_head heads of size hs; each head attends independently.
         q, k, v = split_heads(self.c_attn(x), self.n_head)  # 3 × (B, nh, T, hs)
-        y = causal_attention(q, k, v, self.attn_dropout, self.flash)  # (B, nh, T, hs)
+        y = causal_attention(q, k, v, self.attn_dropout, self.flash, self.recompute)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 

@@ -1,6 +1,8 @@
 """Tests for llmlab.memory.planner: the ZeRO paper's figures, and agreement with what measure.py measures on
 the tiny GPT (model state and saved activations, with and without checkpointing)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -69,13 +71,16 @@ def test_agrees_with_measured_model_state(one_thread):
 
 # --- activations ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("overrides", [{}, {"dropout": 0.1}, {"flash": True}, {"bias": False, "dropout": 0.2}],
-                         ids=["plain", "dropout", "flash", "no-bias-dropout"])
+@pytest.mark.parametrize("overrides", [{}, {"dropout": 0.1}, {"flash": True}, {"bias": False, "dropout": 0.2},
+                                       {"recompute": "selective", "dropout": 0.1},
+                                       {"recompute": "selective", "flash": True}],
+                         ids=["plain", "dropout", "flash", "no-bias-dropout", "selective-dropout", "selective-flash"])
 @pytest.mark.parametrize("B, T", [(2, 16), (3, 64)])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["stored", "checkpointed"])
 def test_activations_equal_measured(one_thread, overrides, B, T, checkpointing):
     """Every term is counted, so the planner equals SavedActivations to the byte in fp32 on CPU (where a
-    dropout mask is a float tensor: mask_bytes=4). The issue asks for 10%; exact is what the count gives."""
+    dropout mask is a float tensor: mask_bytes=4). The issue asks for 10%; exact is what the count gives.
+    (flash with dropout is left out: on the CPU it runs the math path, see planner.attention_core_terms.)"""
     config = GPTConfig.preset("tiny", **overrides)
     torch.manual_seed(0)
     model = GPT(config)
@@ -85,6 +90,27 @@ def test_activations_equal_measured(one_thread, overrides, B, T, checkpointing):
         model(idx, targets)
     planned = planner.activation_bytes(config, B, T, checkpointing=checkpointing, dtype_bytes=4, mask_bytes=4)
     assert planned == saved.bytes
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_selective_terms_equal_measured_per_block(one_thread, dropout):
+    """The planner's checkpointing="selective" on a plain config is the model with recompute="selective", term
+    for term: one block's saved bytes measured equal the block's terms without the attention core, and what
+    the recompute drops, measured as the difference from the stored block, equals attention_core_terms. Exact:
+    every saved storage is counted (fp32, float dropout masks on the CPU)."""
+    config = GPTConfig.preset("tiny", dropout=dropout)
+    x = torch.randn(3, 48, config.n_embd, requires_grad=True)  # (B, T, C), a fresh random block input
+    saved = {}
+    for mode in ("none", "selective"):
+        torch.manual_seed(0)
+        block = GPT(replace(config, recompute=mode)).transformer.h[0]
+        saved[mode] = measure.saved_activation_bytes(block, x)[1]
+    kept, rebuilt = planner.layer_activation_bytes(config, 3, 48, "selective", dtype_bytes=4, mask_bytes=4)
+    core = planner.attention_core_terms(config, 3, 48, dtype_bytes=4, mask_bytes=4)
+    assert saved["selective"] == kept
+    assert saved["none"] - saved["selective"] == sum(core.values()) == rebuilt
+    assert set(core) == {"causal mask (bool)", "softmax output"} | (
+        {"attention dropout mask + dropped weights"} if dropout else set())
 
 
 def test_activations_in_bf16_equal_measured(one_thread):
@@ -106,6 +132,57 @@ def test_block_terms_are_korthikanti_et_al_formula():
         terms = planner.block_terms(config, B, T, dtype_bytes=2, tensor=t, mask_bytes=1)
         extra = 2 * (2 * B * T * 2) + T * T  # two LayerNorms' statistics, the causal mask
         assert sum(terms.values()) - extra == T * B * C * (10 + 24 // t) + 5 * a * T * T * B // t, t
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 6])
+def test_recompute_modes_are_korthikanti_et_al_formulas(t):
+    """Korthikanti et al. 2022 in 16 bits with 1-byte dropout masks, per layer (s = T, b = B, h = C, a = heads,
+    t tensor ranks): none sbh·(10 + 24/t) + 5·a·s²·b/t (§4, eq. 2); selective recompute sbh·(10 + 24/t), the
+    5as²b/t term gone (§5); full recompute 2·sbh, the layer's input (§5). The count here adds what this model
+    also keeps: the LayerNorms' mean and 1/std (2·sb each, 16-bit here) and, without selective recompute, the
+    s² causal mask. What the recompute rebuilds: the core's terms (selective), the whole layer's (full)."""
+    config = GPTConfig.preset("small", dropout=0.1)
+    s, b, h, a = 256, 4, config.n_embd, config.n_head
+    layer_norms, mask = 2 * (2 * s * b * 2), s * s
+    linear, quadratic = s * b * h * (10 + 24 // t), 5 * a * s * s * b // t
+    modes = {m: planner.layer_activation_bytes(config, b, s, m, dtype_bytes=2, tensor=t, mask_bytes=1)
+             for m in planner.CHECKPOINTING}
+    assert modes["none"] == (linear + quadratic + layer_norms + mask, 0)
+    assert modes["selective"] == (linear + layer_norms, quadratic + mask)
+    assert modes["full"] == (2 * s * b * h, linear + quadratic + layer_norms + mask)
+    assert planner.layer_activation_bytes(config, b, s, False, 2, t, 1) == modes["none"]
+    assert planner.layer_activation_bytes(config, b, s, True, 2, t, 1) == modes["full"]
+    # A config that recomputes its core itself is the same plan; checkpointed whole, its block rebuilds the core
+    # too when its backward runs
+    own = replace(config, recompute="selective")
+    assert planner.layer_activation_bytes(own, b, s, "none", 2, t, 1) == modes["selective"]
+    assert planner.layer_activation_bytes(own, b, s, "full", 2, t, 1) == modes["full"]
+
+
+def test_flash_and_selective_drop_the_s2_terms():
+    """The fused kernel keeps its logsumexp (fp32, B·h·T) in place of the core's s² terms; selective recompute on
+    top of it drops that too."""
+    config = GPTConfig.preset("gpt2", dropout=0.1, flash=True)
+    B, T, h = 2, 1024, config.n_head
+    assert planner.attention_core_terms(config, B, T, dtype_bytes=2) == {"logsumexp (fp32)": B * h * T * 4}
+    plain = planner.layer_activation_bytes(replace(config, flash=False), B, T, dtype_bytes=2)[0]
+    flash = planner.layer_activation_bytes(config, B, T, dtype_bytes=2)[0]
+    selective = planner.layer_activation_bytes(config, B, T, "selective", dtype_bytes=2)[0]
+    core = planner.attention_core_terms(replace(config, flash=False), B, T, dtype_bytes=2)
+    assert plain - flash == sum(core.values()) - B * h * T * 4
+    assert flash - selective == B * h * T * 4
+
+
+def test_recompute_flops():
+    """Selective recompute runs every layer's q·kᵀ and p·v again: 2 × 2·B·T²·C per layer; full recompute the
+    whole layer's forward, 24·B·T·C² + 4·B·T²·C (as Narayanan et al. 2021, "Efficient Large-Scale Language Model
+    Training on GPU Clusters Using Megatron-LM", count it: their 96·B·s·l·h²·(1 + s/6h + V/16lh) FLOPs per step with
+    full recompute are four such forwards per layer and three of the head)."""
+    config = GPTConfig.preset("gpt2")
+    B, T, C, L = 2, 1024, config.n_embd, config.n_layer
+    assert planner.recompute_flops(config, B, T, "none") == planner.recompute_flops(config, B, T, False) == 0
+    assert planner.recompute_flops(config, B, T, "selective") == L * 4 * B * T * T * C
+    assert planner.recompute_flops(config, B, T, True) == L * (24 * B * T * C * C + 4 * B * T * T * C)
 
 
 def test_checkpointing_keeps_one_input_per_block():
@@ -131,6 +208,10 @@ def test_plan_breakdown_and_fits():
     ckpt = planner.plan(config, batch_size=8, stage=2, data=8, checkpointing=True)
     assert ckpt.recompute == sum(planner.block_terms(config, 8, dtype_bytes=2).values())
     assert ckpt.total < p.total / 2
+    selective = planner.plan(config, batch_size=8, stage=2, data=8, checkpointing="selective")
+    core = sum(planner.attention_core_terms(config, 8, dtype_bytes=2).values())
+    assert (selective.activations, selective.recompute) == (p.activations - config.n_layer * core, core)
+    assert ckpt.total < selective.total < p.total
 
 
 def test_plan_tensor_and_pipeline_degrees():
@@ -159,6 +240,9 @@ def test_plan_tensor_and_pipeline_degrees():
     (dict(pipeline=0), "pipeline=0"), (dict(micro_batches=0), "micro_batches=0"), (dict(batch_size=0), "batch_size=0"),
     (dict(seq_len=200), "seq_len=200 > block_size=128"), (dict(stage=5), "stage=5"), (dict(data=0), "data=0"),
     (dict(config="mini"), "config='mini' must be a GPTConfig"),
+    (dict(checkpointing="attention"),
+     r"checkpointing='attention' must be one of 'none', 'selective', 'full' \(or False / True\)"),
+    (dict(checkpointing=1), "checkpointing=1 must be one of"),
 ])
 def test_plan_errors_name_the_argument(kwargs, match):
     args = dict(config=GPTConfig.preset("mini"), batch_size=2) | kwargs

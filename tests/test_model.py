@@ -156,6 +156,49 @@ def test_flash_matches_explicit_attention():
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
+def _grads_and_rng(recompute: str, flash: bool, seed: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Gradients of the tiny GPT (float64, dropout 0.1) on a fresh random batch drawn from `seed`, its logits,
+    and the CPU RNG state after backward."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", dropout=0.1, flash=flash, recompute=recompute)).double()
+    g = torch.Generator().manual_seed(seed)
+    idx, targets = torch.randint(0, 64, (3, 40), generator=g), torch.randint(0, 64, (3, 40), generator=g)
+    torch.manual_seed(seed)  # the same dropout masks in both models' forward
+    logits, loss = model(idx, targets)
+    loss.backward()
+    return [p.grad for p in model.parameters()], logits.detach(), torch.get_rng_state()
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_selective_recompute_gives_the_same_gradients(one_thread, flash):
+    """recompute="selective" reruns the attention core in backward from the kept q, k, v with the RNG state
+    restored: the same ops on the same inputs draw the same dropout masks, so the gradients are the stored
+    model's bit for bit (float64, dropout on, fresh random batches), and the RNG stream after backward is
+    where the stored model's is."""
+    for seed in (1, 2):
+        ref_grads, ref_logits, ref_rng = _grads_and_rng("none", flash, seed)
+        grads, logits, rng = _grads_and_rng("selective", flash, seed)
+        assert torch.equal(logits, ref_logits)
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
+        assert torch.equal(rng, ref_rng)
+
+
+def test_selective_recompute_without_grad_is_plain_attention():
+    model = tiny(recompute="selective")
+    model.load_state_dict(tiny().state_dict())
+    idx = torch.randint(0, 64, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(model(idx)[0], tiny()(idx)[0])
+
+
+def test_recompute_names_the_argument():
+    with pytest.raises(ValueError, match=r"recompute='full' must be one of 'none', 'selective' \(whole blocks are "
+                                         r"checkpointed by llmlab.memory.checkpoint\)"):
+        GPTConfig.preset("tiny", recompute="full")
+    with pytest.raises(ValueError, match="recompute=True"):
+        GPTConfig.preset("tiny", recompute=True)
+
+
 def test_dropout_only_in_training():
     model = tiny(dropout=0.5)
     idx = torch.randint(0, 64, (2, 16))

@@ -54,7 +54,7 @@ def test_column_and_row_parallel_linear_equal_the_full_layer(cluster, world):
         torch.testing.assert_close(r["z"], r["z_ref"], rtol=1e-12, atol=1e-12)
 
 
-def _blocks(world):
+def _blocks(world, recompute):
     from llmlab.dist import CommLog
     from llmlab.model import Block, GPTConfig
 
@@ -62,7 +62,7 @@ def _blocks(world):
     if group is None:
         return None
     torch.manual_seed(0)
-    block = Block(GPTConfig.preset("tiny", n_embd=32, n_head=4)).double()
+    block = Block(GPTConfig.preset("tiny", n_embd=32, n_head=4, recompute=recompute)).double()
     x = torch.randn(2, 7, 32, dtype=torch.float64, requires_grad=True)
     par = tp.ParallelBlock(block, group)
     with CommLog() as forward:
@@ -76,10 +76,11 @@ def _blocks(world):
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_parallel_block_equals_block_with_two_all_reduces_each_way(cluster, world):
+@pytest.mark.parametrize("recompute", ["none", "selective"])  # selective: each rank recomputes its heads' core
+def test_parallel_block_equals_block_with_two_all_reduces_each_way(cluster, world, recompute):
     from llmlab.model import Block, GPTConfig
 
-    results = [r for r in cluster.run(_blocks, world) if r is not None]
+    results = [r for r in cluster.run(_blocks, world, recompute) if r is not None]
     torch.manual_seed(0)
     block = Block(GPTConfig.preset("tiny", n_embd=32, n_head=4)).double()
     x = torch.randn(2, 7, 32, dtype=torch.float64, requires_grad=True)

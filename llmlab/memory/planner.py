@@ -19,13 +19,22 @@ split the parameters first: each GPU holds about Ψ/(t·p) of them (embeddings a
 **Activations**: what autograd saves for backward, counted op by op from llmlab.model's GPT (the same count
 as Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", §4: 34·sbh +
 5·as²b bytes per layer in 16 bits, here for any dtype). `block_terms` lists each term of one block, `model_terms`
-the embedding and head; `activation_bytes` sums them; with checkpointing each block keeps only its input
-(plus, transiently, one block's activations during its recompute).
+the embedding and head; `activation_bytes` sums them. Three ways to recompute (`checkpointing`, CHECKPOINTING):
+
+    "none"        every block keeps block_terms: 34·sbh + 5·as²b (paper, §4)
+    "selective"   the attention core is recomputed (`GPTConfig(recompute="selective")`): its as² terms,
+                  `attention_core_terms`, are not kept: 34·sbh (paper, §5); one layer's core is rebuilt at a time
+    "full"        every block is checkpointed (llmlab.memory.checkpoint): it keeps its input, 2·sbh (paper, §5),
+                  and one block's activations are rebuilt at a time
+
+`layer_activation_bytes` gives (kept, rebuilt) bytes per layer for each; `recompute_flops` the forward FLOPs the
+recompute adds to a step.
 
     from llmlab.memory import planner
     planner.model_state_bytes(7.5e9, stage=1, world_size=64) / 1e9       # 31.4 (GB per GPU)
     p = planner.plan(GPTConfig.preset("gpt2"), batch_size=8, stage=2, data=8, checkpointing=True)
     p.breakdown(), p.total, p.fits(80e9)
+    planner.plan(GPTConfig.preset("gpt2"), batch_size=8, checkpointing="selective").activations
 
 Not modelled: temporaries of the backward pass (activation gradients live one layer at a time), the
 allocator's fragmentation and caching, communication buffers, and the CUDA context (≈ 0.5 GB).
@@ -36,17 +45,20 @@ Claim C10 (the ZeRO paper's figures) is checked against this planner in `llmlab.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
-from llmlab import validation
+from llmlab import flops, validation
 from llmlab.model import GPTConfig
 
-__all__ = ["OPTIMIZER_STATES", "PRECISIONS", "ZERO_PAPER_EXAMPLE", "state_bytes_per_param", "model_state_bytes",
-           "num_params", "block_terms", "model_terms", "activation_bytes", "Plan", "plan"]
+__all__ = ["OPTIMIZER_STATES", "PRECISIONS", "CHECKPOINTING", "ZERO_PAPER_EXAMPLE", "state_bytes_per_param",
+           "model_state_bytes", "num_params", "attention_core_terms", "block_terms", "model_terms",
+           "checkpointing_mode", "layer_activation_bytes", "activation_bytes", "recompute_flops", "Plan", "plan"]
 
 # fp32 buffers an optimizer keeps per parameter: Adam(W) two moments, SGD with momentum one, plain SGD none.
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "momentum": 1, "sgd": 0}
 PRECISIONS = ("mixed", "fp32")
+# What is recomputed in backward: nothing, the attention core of every block, or every block (False/True: none/full)
+CHECKPOINTING = ("none", "selective", "full")
 
 # The ZeRO paper's Figure 1: a 7.5B-parameter model on 64 GPUs, per-GPU model state in GB for stages 0–3.
 ZERO_PAPER_EXAMPLE = {"num_params": 7.5e9, "world_size": 64, "gb": (120.0, 31.4, 16.6, 1.9)}
@@ -102,6 +114,29 @@ def _check_activation_args(config, batch_size, seq_len, dtype_bytes, tensor, mas
     return T
 
 
+def attention_core_terms(config: GPTConfig, batch_size: int, seq_len: int | None = None, dtype_bytes: int = 4,
+                         tensor: int = 1, mask_bytes: int = 1) -> dict[str, int]:
+    """What the attention core (q·kᵀ, causal mask, softmax, dropout, ·v) saves beyond its inputs q, k, v and its
+    output, on one of `tensor` ranks: what selective recompute does not keep (arguments as in `block_terms`).
+
+    Written out, the B·h·T² terms: Korthikanti et al.'s 5·as²b bytes in 16 bits with 1-byte masks (softmax output
+    2, dropout mask 1, dropped weights 2), plus the T×T causal mask. With `flash`, only the kernel's logsumexp
+    (fp32, B·h·T): the fused kernels keep no T² tensor (Dao et al. 2022, "FlashAttention", §3.1: the backward
+    recomputes the attention matrix from q, k, v and the logsumexp; a dropout mask is regenerated from the RNG
+    state). On the CPU PyTorch's fused kernel takes no dropout (aten/src/ATen/native/transformers/
+    sdp_utils_cpp.cpp, use_flash_attention_cpp: check_for_dropout), so with dropout > 0 scaled_dot_product_attention
+    runs its math path there, which saves the T² terms: the count here is the GPU's.
+    """
+    T = _check_activation_args(config, batch_size, seq_len, dtype_bytes, tensor, mask_bytes)
+    B, h, d, t = batch_size, config.n_head, dtype_bytes, tensor
+    if config.flash:
+        return {"logsumexp (fp32)": B * h * T * 4 // t}
+    terms = {"causal mask (bool)": T * T, "softmax output": B * h * T * T * d // t}
+    if config.dropout > 0:
+        terms["attention dropout mask + dropped weights"] = B * h * T * T * (mask_bytes + d) // t
+    return terms
+
+
 def block_terms(config: GPTConfig, batch_size: int, seq_len: int | None = None, dtype_bytes: int = 4,
                 tensor: int = 1, mask_bytes: int = 1) -> dict[str, int]:
     """Bytes one transformer block saves for backward, term by term, on one of `tensor` ranks.
@@ -111,28 +146,23 @@ def block_terms(config: GPTConfig, batch_size: int, seq_len: int | None = None, 
     LayerNorms, the inputs of c_attn and c_fc, and the residual dropout masks are replicated. `mask_bytes` is
     a dropout mask's bytes per element: 1 on CUDA (a bool mask), d on CPU (PyTorch saves a float mask there).
     The LayerNorms' mean and 1/std (B·T each) are in d here; CUDA keeps them in fp32 for half inputs.
+    The attention core's own terms are `attention_core_terms`, left out under `config.recompute == "selective"`.
     """
     T = _check_activation_args(config, batch_size, seq_len, dtype_bytes, tensor, mask_bytes)
-    B, C, h, d, t, m = batch_size, config.n_embd, config.n_head, dtype_bytes, tensor, mask_bytes
+    B, C, d, t, m = batch_size, config.n_embd, dtype_bytes, tensor, mask_bytes
     BTC, drop = B * T * C, config.dropout > 0
     terms = {
         "ln_1 input + mean, 1/std": BTC * d + 2 * B * T * d,
         "c_attn input": BTC * d,
+        # q·kᵀ saves q and k, ·v saves v, the fused kernel and selective recompute's checkpoint all three: views
+        # of c_attn's output, one storage
+        "q, k, v (c_attn output)": 3 * BTC * d // t,
     }
-    if config.flash:  # the fused kernel keeps q, k, v (views of c_attn's output), its output, logsumexp
-        terms["q, k, v (c_attn output)"] = 3 * BTC * d // t
-        terms["logsumexp (fp32)"] = B * h * T * 4 // t
-        # The kernel writes its output laid out as (B, T, h, hs): transpose + contiguous is free, and the
-        # tensor it saves is c_proj's input too.
-        terms["attention output = attn c_proj input"] = BTC * d // t
-    else:
-        terms["q, k (for q @ kᵀ)"] = 2 * BTC * d // t
-        terms["causal mask (bool)"] = T * T
-        terms["softmax output"] = B * h * T * T * d // t
-        if drop:
-            terms["attention dropout mask + dropped weights"] = B * h * T * T * (m + d) // t
-        terms["v (for att @ v)"] = BTC * d // t
-        terms["attn c_proj input"] = BTC * d // t
+    if config.recompute != "selective":
+        terms.update(attention_core_terms(config, B, T, d, t, m))
+    # The fused kernel writes its output laid out as (B, T, h, hs): transpose + contiguous is free, and the
+    # tensor c_proj saves is the kernel's output. The written-out core's output is copied by contiguous().
+    terms["attention output = attn c_proj input" if config.flash else "attn c_proj input"] = BTC * d // t
     if drop:
         terms["attn residual dropout mask"] = BTC * m
     terms["ln_2 input + mean, 1/std"] = BTC * d + 2 * B * T * d
@@ -158,19 +188,62 @@ def model_terms(config: GPTConfig, batch_size: int, seq_len: int | None = None, 
     return {"embedding": embedding, "head": head}
 
 
-def activation_bytes(config: GPTConfig, batch_size: int, seq_len: int | None = None, checkpointing: bool = False,
-                     dtype_bytes: int = 4, tensor: int = 1, mask_bytes: int = 1) -> int:
-    """Bytes autograd holds after the forward pass of the whole GPT on one batch (one of `tensor` ranks).
+def checkpointing_mode(checkpointing: bool | str) -> str:
+    """The CHECKPOINTING name of `checkpointing`: False is "none", True is "full" (every block checkpointed)."""
+    if isinstance(checkpointing, bool):
+        return "full" if checkpointing else "none"
+    return validation.one_of("checkpointing", checkpointing, CHECKPOINTING, hint="(or False / True)")
 
-    Without checkpointing: n_layer × sum(block_terms) + the embedding and head terms. With every block
-    checkpointed: each block keeps only its input, B·T·C·d (replicated across tensor ranks), instead.
+
+def layer_activation_bytes(config: GPTConfig, batch_size: int, seq_len: int | None = None,
+                           checkpointing: bool | str = False, dtype_bytes: int = 4, tensor: int = 1,
+                           mask_bytes: int = 1) -> tuple[int, int]:
+    """(kept, rebuilt): bytes one block keeps from its forward until its backward, and the bytes its recompute
+    rebuilds for a moment during that backward, on one of `tensor` ranks (arguments as in `block_terms`).
+
+    "none": (block_terms, 0). "selective" (or a config with recompute="selective"): (block_terms without the
+    attention core, the core's terms). "full": (the block's input B·T·C·d, replicated across tensor ranks;
+    the block's terms, plus the core's when the block also recomputes its core selectively).
     """
-    per_block = sum(block_terms(config, batch_size, seq_len, dtype_bytes, tensor, mask_bytes).values())
-    T = config.block_size if seq_len is None else seq_len
-    if checkpointing:
-        per_block = batch_size * T * config.n_embd * dtype_bytes
+    mode = checkpointing_mode(checkpointing)
+    if mode == "selective":
+        config = replace(config, recompute="selective")
+    block = sum(block_terms(config, batch_size, seq_len, dtype_bytes, tensor, mask_bytes).values())
+    core = sum(attention_core_terms(config, batch_size, seq_len, dtype_bytes, tensor, mask_bytes).values())
+    core = core if config.recompute == "selective" else 0
+    if mode == "full":
+        T = config.block_size if seq_len is None else seq_len
+        return batch_size * T * config.n_embd * dtype_bytes, block + core
+    return block, core
+
+
+def activation_bytes(config: GPTConfig, batch_size: int, seq_len: int | None = None,
+                     checkpointing: bool | str = False, dtype_bytes: int = 4, tensor: int = 1,
+                     mask_bytes: int = 1) -> int:
+    """Bytes autograd holds after the forward pass of the whole GPT on one batch (one of `tensor` ranks):
+    n_layer × what a block keeps (`layer_activation_bytes` under `checkpointing`, one of CHECKPOINTING or
+    False / True) + the embedding and head terms."""
+    kept, _ = layer_activation_bytes(config, batch_size, seq_len, checkpointing, dtype_bytes, tensor, mask_bytes)
     outside = model_terms(config, batch_size, seq_len, dtype_bytes, mask_bytes)
-    return config.n_layer * per_block + sum(v for part in outside.values() for v in part.values())
+    return config.n_layer * kept + sum(v for part in outside.values() for v in part.values())
+
+
+# The matmuls of flops.forward_matmuls that selective recompute runs again: the attention core's two
+_CORE_MATMULS = ("attn scores q·kᵀ", "attn weighted sum p·v")
+
+
+def recompute_flops(config: GPTConfig, batch_size: int, seq_len: int | None = None,
+                    checkpointing: bool | str = False) -> int:
+    """Matmul FLOPs the recompute adds to a training step (counted by llmlab.flops.forward_matmuls): "selective"
+    runs every layer's q·kᵀ and p·v again (4·B·T²·C per layer); "full" every layer's forward (24·B·T·C² +
+    4·B·T²·C; the head is not recomputed); "none" nothing. A step without recompute is 3 forwards
+    (flops.training_step_flops)."""
+    mode = checkpointing_mode(checkpointing)
+    if mode == "none":
+        return 0
+    again = [m for m in flops.forward_matmuls(config, batch_size, seq_len)
+             if m.name != "lm head" and (mode == "full" or m.name in _CORE_MATMULS)]
+    return sum(m.flops for m in again)
 
 
 @dataclass(frozen=True)
@@ -181,7 +254,7 @@ class Plan:
     grads: float
     optimizer_state: float
     activations: float  # saved for backward, for all micro-batches in flight
-    recompute: float  # with checkpointing: one block's activations, rebuilt during backward
+    recompute: float  # with recompute: one block's (or attention core's) activations, rebuilt during backward
     logits: float  # the (B, T, V) output the training loop holds until backward
 
     def breakdown(self) -> dict[str, float]:
@@ -199,7 +272,7 @@ class Plan:
 
 
 def plan(config: GPTConfig, batch_size: int, seq_len: int | None = None, *, stage: int = 0, data: int = 1,
-         tensor: int = 1, pipeline: int = 1, micro_batches: int | None = None, checkpointing: bool = False,
+         tensor: int = 1, pipeline: int = 1, micro_batches: int | None = None, checkpointing: bool | str = False,
          optimizer: str = "adam", precision: str = "mixed", dtype_bytes: int | None = None,
          mask_bytes: int = 1) -> Plan:
     """The memory of training `config` with micro-batches of `batch_size`, on the GPU that holds the most.
@@ -207,6 +280,8 @@ def plan(config: GPTConfig, batch_size: int, seq_len: int | None = None, *, stag
     data = N ranks for ZeRO `stage`; tensor = t (Megatron), pipeline = p stages run 1F1B over `micro_batches`
     (default p): stage 0 holds min(p, micro_batches) micro-batches' activations, the last stage one, plus the
     head and the logits. Activations are in `dtype_bytes` (default 2 for mixed precision, 4 for fp32).
+    `checkpointing` is one of CHECKPOINTING ("none", "selective", "full"; False / True are "none" / "full"), see
+    `layer_activation_bytes`.
     """
     d = dtype_bytes if dtype_bytes is not None else (2 if precision == "mixed" else 4)
     T = _check_activation_args(config, batch_size, seq_len, d, tensor, mask_bytes)
@@ -216,8 +291,7 @@ def plan(config: GPTConfig, batch_size: int, seq_len: int | None = None, *, stag
         raise ValueError(f"pipeline={pipeline} > n_layer={config.n_layer}: a stage needs at least one block")
     m = validation.integer("micro_batches", pipeline if micro_batches is None else micro_batches, low=1)
     state = _sharded(num_params(config) / (tensor * pipeline), stage, data, optimizer, precision)
-    block = sum(block_terms(config, batch_size, T, d, tensor, mask_bytes).values())
-    kept = batch_size * T * config.n_embd * d if checkpointing else block
+    kept, rebuilt = layer_activation_bytes(config, batch_size, T, checkpointing, d, tensor, mask_bytes)
     outside = {k: sum(v.values()) for k, v in model_terms(config, batch_size, T, d, mask_bytes).items()}
     layers = math.ceil(config.n_layer / pipeline)
     logits = batch_size * T * config.vocab_size * d
@@ -228,5 +302,5 @@ def plan(config: GPTConfig, batch_size: int, seq_len: int | None = None, *, stag
         last = layers * kept + outside["head"]
         activations, with_logits = (first, False) if first >= last + logits else (last, True)
     return Plan(params=state["params"], grads=state["grads"], optimizer_state=state["optimizer_state"],
-                activations=activations, recompute=block if checkpointing else 0,
+                activations=activations, recompute=rebuilt,
                 logits=logits if with_logits else 0)

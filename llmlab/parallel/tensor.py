@@ -207,6 +207,7 @@ class ParallelSelfAttention(torch.nn.Module):
         super().__init__()
         C = attn.c_attn.in_features
         self.n_head, self.flash = _shard_size("n_head", attn.n_head, group), attn.flash
+        self.recompute = attn.recompute  # "selective": the attention core is recomputed in backward
         mine = _block(C // td.get_world_size(group), group)  # this rank's channels of q, k and v alike
         qkv_rows = torch.cat([mine, C + mine, 2 * C + mine])  # this rank's heads in each of q, k, v
         self.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, group, rows=qkv_rows)
@@ -216,7 +217,7 @@ class ParallelSelfAttention(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = split_heads(self.c_attn(x), self.n_head)  # 3 × (B, nh/N, T, hs)
-        y = causal_attention(q, k, v, self.attn_dropout, self.flash)  # (B, nh/N, T, hs)
+        y = causal_attention(q, k, v, self.attn_dropout, self.flash, self.recompute)  # (B, nh/N, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C/N)
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 
