@@ -85,7 +85,7 @@ class ClusterConfig:
     tp: int = 1
     pp: int = 1
     micro_batches: int = 1  # per data-parallel rank and step (pipeline micro-batches or accumulation steps)
-    tp_link: str = "nvlink4"  # tensor-parallel traffic, inside one node
+    tp_link: str = "nvlink4"  # inside one node: tensor-parallel traffic, the data-parallel phases inside a node
     mfu: float = 0.4  # fraction of the attainable FLOP/s the arithmetic reaches
     bytes_per_param: int = 2  # gradients in bf16
     bytes_per_activation: int = 2  # activations in bf16
