@@ -1,13 +1,17 @@
 """Out of memory: predict it from the memory model, rank the remedies, and check the prediction under a budget.
 
 The material's §7.1 lists four remedies for an OOM — a smaller batch, gradient checkpointing, a smaller model,
-ZeRO — and the planner (`llmlab.memory.planner`, after Rajbhandari et al. 2020 and Korthikanti et al. 2022) says
-what each one saves before anything runs:
+ZeRO. Ranked beside them here: memory-efficient attention, which drops the T² attention matrices (Rabe & Staats
+2021, "Self-attention Does Not Need O(n²) Memory"; Dao et al. 2022, "FlashAttention"; `GPTConfig(flash=True)`
+runs `torch.nn.functional.scaled_dot_product_attention`), ZeRO's three stages (Rajbhandari et al. 2020) and CPU
+offload of the gradients and optimizer state (ZeRO-Offload, Ren et al. 2021). The planner (`llmlab.memory.planner`,
+after Rajbhandari et al. 2020 and Korthikanti et al. 2022) says what each one saves before anything runs, and the
+ranking puts the cheapest first (`COSTS`: what a remedy costs, then the predicted saving):
 
     from llmlab.diagnose import oom
     report = oom.diagnose(GPTConfig.preset("gpt2"), batch_size=16, budget_bytes=80e9, data=8)
     report.fits, report.over_bytes
-    report.remedies        # [Remedy(name, plan, saving, fits), ...], largest predicted saving first
+    report.remedies        # [Remedy(name, change, cost, price, plan, saving, fits, step), ...], cheapest first
 
 **The budget, measured.** A CPU has no allocator to run out of, so `enforced_budget` makes one: a saved-tensor
 hook (`llmlab.memory.measure.StorageCounter`) counts every byte autograd keeps for backward on top of the model
@@ -19,7 +23,9 @@ the first (the optimizer's moments exist, `zero_grad(set_to_none=False)` keeps t
 planner's `total - recompute`. The budget covers the forward on both devices (the cap is lifted for the backward):
 with checkpointing, backward briefly adds one block's recomputed activations (`Plan.recompute`) and the gradients of
 the activations, transients the planner's forward count leaves out. (On an H200 the backward under the same cap ran
-out of memory where the forward fit, the first GPU run of this module.)
+out of memory where the forward fit, the first GPU run of this module.) `measure_zero_config` runs the same step
+with `llmlab.memory.zero.ZeRO` on real gloo ranks, each under the budget; `snapshot_step` records the step's every
+allocation and free (`runtime.memory_history`: CUDA's memory snapshot, the profiler's on a CPU).
 
 Claim C18 (the remedies' savings are predictable) is measured with this module in `llmlab.claims.ch07`.
 """
@@ -27,18 +33,27 @@ Claim C18 (the remedies' savings are predictable) is measured with this module i
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 
-from llmlab import runtime, validation
-from llmlab.memory import checkpoint, measure, planner
+from llmlab import dist, runtime, validation
+from llmlab.memory import checkpoint, measure, planner, zero
 from llmlab.model import GPT, GPTConfig
 
-__all__ = ["MemoryBudgetExceeded", "Remedy", "OOMReport", "remedies", "diagnose", "forward_bytes",
-           "enforced_budget", "StepMemory", "measure_step", "measure_config"]
+__all__ = ["MemoryBudgetExceeded", "COSTS", "Remedy", "OOMReport", "offloaded", "remedies", "diagnose",
+           "forward_bytes", "enforced_budget", "StepMemory", "measure_step", "measure_config", "measure_remedies",
+           "measure_zero_config", "snapshot_step"]
+
+# What a remedy costs, cheapest first: `remedies` ranks by this, then by predicted saving.
+COSTS = (
+    "nothing",  # the same computation, in less memory
+    "communication, same volume",  # ZeRO-1/2: reduce-scatter + all-gather, 2Ψ as DP's all-reduce (ZeRO paper §7)
+    "communication, more",  # ZeRO-3: 3Ψ; offload: gradients and parameters over PCIe every step
+    "compute",  # recomputed forwards, or more and smaller passes
+    "the training itself",  # fewer samples per update, or another model
+)
 
 
 class MemoryBudgetExceeded(RuntimeError):
@@ -49,6 +64,9 @@ class MemoryBudgetExceeded(RuntimeError):
         super().__init__(f"Out of memory (enforced budget). Tried to allocate {requested / 2**20:.2f} MiB; "
                          f"{in_use / 2**20:.2f} MiB already in use of a budget of {budget / 2**20:.2f} MiB")
 
+    def __reduce__(self):  # pickled by its fields, so a rank's error reaches the caller (dist.spawn) intact
+        return type(self), (self.requested, self.in_use, self.budget)
+
 
 @dataclass(frozen=True)
 class Remedy:
@@ -56,14 +74,19 @@ class Remedy:
 
     name: str
     change: str  # what to change, in words
+    cost: str  # one of COSTS
+    price: str  # what exactly is paid, in words, with its source
     plan: planner.Plan
     saving: float  # bytes: original total - this plan's total
     fits: bool
+    # the step it plans: config, batch_size, checkpointing, ZeRO stage and data ranks (None: the same step, with
+    # the state elsewhere — offload); `measure_remedies` runs it
+    step: dict | None = None
 
 
 @dataclass(frozen=True)
 class OOMReport:
-    """`diagnose`'s answer: the plan, the budget, and the remedies ranked by predicted saving."""
+    """`diagnose`'s answer: the plan, the budget, and the remedies ranked cheapest first (`COSTS`, then saving)."""
 
     plan: planner.Plan
     budget_bytes: float
@@ -83,51 +106,83 @@ class OOMReport:
         unit = "GB" if gb == 1e9 else "MB"
         head = (f"planned {self.plan.total / gb:.3g} {unit} of a {self.budget_bytes / gb:.3g} {unit} budget: "
                 + ("fits" if self.fits else f"OOM, {self.over_bytes / gb:.3g} {unit} over"))
-        lines = [head] + [f"  {'fits' if r.fits else 'OOM '}  saves {r.saving / gb:8.3g} {unit}  {r.name}: "
-                          f"{r.change}" for r in self.remedies]
+        lines = [head] + [f"  {'fits' if r.fits else 'OOM '}  saves {r.saving / gb:8.3g} {unit} → "
+                          f"{r.plan.total / gb:8.3g} {unit}  {r.name}: {r.change}  [costs {r.cost}]"
+                          for r in self.remedies]
         return "\n".join(lines)
+
+
+def offloaded(plan: planner.Plan) -> planner.Plan:
+    """`plan` with the gradients and the optimizer state in CPU memory, as ZeRO-Offload keeps them (Ren et al.
+    2021: the 16-bit parameters, forward and backward stay on the GPU; gradients, fp32 master weights, Adam's moments
+    and the optimizer step go to the CPU). The gradient buckets in flight to the CPU are left out, as the planner
+    leaves out communication buffers."""
+    return replace(plan, grads=0.0, optimizer_state=0.0)
 
 
 def remedies(config: GPTConfig, batch_size: int, budget_bytes: float, *, zero_ranks: int = 8,
              **plan_kwargs) -> list[Remedy]:
-    """Each remedy of §7.1 applied alone to `planner.plan(config, batch_size, **plan_kwargs)`, largest predicted
-    saving first. `zero_ranks` is the data-parallel degree ZeRO shards over when the plan has `data=1`.
+    """Each remedy applied alone to `planner.plan(config, batch_size, **plan_kwargs)`, cheapest first (`COSTS`),
+    then largest predicted saving first. `zero_ranks` is the data-parallel degree ZeRO shards over when the plan
+    has `data=1`.
 
-    - smaller batch: half the micro-batch (fewer samples per step);
+    - memory-efficient attention (Rabe & Staats 2021; Dao et al. 2022): `flash=True`, no T² matrix is kept;
+    - ZeRO-1, -2, -3: each stage above the plan's (Rajbhandari et al. 2020), over the plan's data ranks (or
+      `zero_ranks`);
+    - CPU offload: gradients and optimizer state in CPU memory (ZeRO-Offload, Ren et al. 2021; `offloaded`);
+    - gradient checkpointing (Chen et al. 2016): every block keeps only its input;
     - gradient accumulation: half the micro-batch, two of them per step (the same samples per step, twice the
       steps' passes — memory of the small batch, optimisation of the large one);
-    - gradient checkpointing (Chen et al. 2016): every block keeps only its input;
-    - ZeRO: the next stage (Rajbhandari et al. 2020), over the plan's data ranks (or `zero_ranks`);
+    - smaller batch: half the micro-batch (fewer samples per step);
     - smaller model: half the blocks.
     """
     validation.positive("budget_bytes", budget_bytes, hint="(bytes)")
     validation.integer("zero_ranks", zero_ranks, low=2, hint="(ZeRO shards over data ranks)")
     base = planner.plan(config, batch_size, **plan_kwargs)
-    options: list[tuple[str, str, Callable[[], planner.Plan]]] = []
+    options: list[tuple[str, str, str, str, dict | None]] = []  # name, change, cost, price, what changes
+    if not config.flash:
+        options.append(("memory-efficient attention", "GPTConfig(flash=True): scaled_dot_product_attention",
+                        "nothing", "none: the same attention to rounding, and faster on GPUs (fewer reads and writes "
+                        "of GPU memory, Dao et al. 2022)", {"config": replace(config, flash=True)}))
+    stage, data = plan_kwargs.get("stage", 0), plan_kwargs.get("data", 1)
+    n = data if data > 1 else zero_ranks
+    for k in range(stage + 1, 4):
+        options.append((f"ZeRO-{k}", f"stage {stage} → {k} over {n} data ranks",
+                        "communication, same volume" if k < 3 else "communication, more",
+                        "reduce-scatter + all-gather: the 2Ψ of DP's all-reduce (Rajbhandari et al. 2020 §7)"
+                        if k < 3 else "3Ψ per step, 1.5× DP's 2Ψ: parameters all-gathered in forward and "
+                        "backward (Rajbhandari et al. 2020 §7)", {"stage": k, "data": n}))
+    options.append(("CPU offload", "gradients and optimizer state to CPU memory (ZeRO-Offload)", "communication, more",
+                    "the gradients to the CPU and the updated 16-bit parameters back over PCIe every step "
+                    "(2Ψ bytes each way in mixed precision), the optimizer step on the CPU (Ren et al. 2021)", None))
+    if not plan_kwargs.get("checkpointing"):
+        options.append(("gradient checkpointing", "checkpoint every block", "compute",
+                        "a second forward of every block in backward: about a third more compute (Chen et al. 2016)",
+                        {"checkpointing": True}))
     if batch_size > 1:
         half = batch_size // 2
-        options.append(("smaller batch", f"batch_size {batch_size} → {half}",
-                        lambda: planner.plan(config, half, **plan_kwargs)))
         if batch_size % 2 == 0:
             options.append(("gradient accumulation", f"2 micro-batches of {half} per step (same {batch_size} "
-                            "samples)", lambda: planner.plan(config, half, **plan_kwargs)))
-    if not plan_kwargs.get("checkpointing"):
-        options.append(("gradient checkpointing", "checkpoint every block",
-                        lambda: planner.plan(config, batch_size, **{**plan_kwargs, "checkpointing": True})))
-    stage, data = plan_kwargs.get("stage", 0), plan_kwargs.get("data", 1)
-    if stage < 3:
-        n = data if data > 1 else zero_ranks
-        options.append(("ZeRO", f"stage {stage} → {stage + 1} over {n} data ranks",
-                        lambda: planner.plan(config, batch_size, **{**plan_kwargs, "stage": stage + 1, "data": n})))
+                            "samples)", "compute", "the same update from more, smaller passes, each less efficient",
+                            {"batch_size": half}))
+        options.append(("smaller batch", f"batch_size {batch_size} → {half}", "the training itself",
+                        "fewer samples per update: noisier gradients, a learning rate to retune", {"batch_size": half}))
     if config.n_layer > 1:
         small = replace(config, n_layer=config.n_layer // 2)
-        options.append(("smaller model", f"n_layer {config.n_layer} → {small.n_layer}",
-                        lambda: planner.plan(small, batch_size, **plan_kwargs)))
+        options.append(("smaller model", f"n_layer {config.n_layer} → {small.n_layer}", "the training itself",
+                        "a smaller, worse model", {"config": small}))
     out = []
-    for name, change, make in options:
-        p = make()
-        out.append(Remedy(name, change, p, base.total - p.total, p.fits(budget_bytes)))
-    return sorted(out, key=lambda r: -r.saving)
+    for name, change, cost, price, changed in options:
+        step = None
+        if changed is None:  # offload: what the GPU keeps changes, not the step
+            p = offloaded(base)
+        else:
+            step = {"config": config, "batch_size": batch_size, "stage": stage, "data": data,
+                    "checkpointing": plan_kwargs.get("checkpointing", False), **changed}
+            p = planner.plan(step["config"], step["batch_size"], **{**plan_kwargs, **{
+                k: step[k] for k in ("checkpointing", "stage", "data")}})
+        out.append(Remedy(name, change, cost, price, p, base.total - p.total, p.fits(budget_bytes), step))
+    return sorted(out, key=lambda r: (COSTS.index(r.cost), -r.saving))
 
 
 def diagnose(config: GPTConfig, batch_size: int, budget_bytes: float, *, zero_ranks: int = 8,
@@ -230,6 +285,30 @@ class StepMemory:
         return self.state_bytes + self.activation_bytes + self.logits_bytes
 
 
+def _step_under_budget(forward, step, state: int, x: torch.Tensor, y: torch.Tensor, budget_bytes: float | None,
+                       blocks) -> StepMemory:
+    """`forward(x, y)` under the budget on top of `state` resident bytes, then backward and `step()` outside it."""
+    saved = logits_bytes = 0
+    try:
+        if x.device.type == "cuda":
+            with _cuda_budget(x.device, budget_bytes), measure.peak_allocated(x.device) as peak:
+                with checkpoint.checkpointed(blocks):
+                    logits, loss = forward(x, y)  # (B, T, V), scalar
+                logits_bytes = measure.tensor_bytes(logits)
+                saved = runtime.memory_allocated(x.device) - peak.start - logits_bytes
+            loss.backward()  # outside the cap, as on the CPU: the budget is the forward's (what the planner counts)
+        else:
+            with enforced_budget(budget_bytes, state) as budget, checkpoint.checkpointed(blocks):
+                logits, loss = forward(x, y)  # (B, T, V), scalar
+                saved, logits_bytes = budget.counter.bytes, measure.tensor_bytes(logits)
+                budget.add(logits_bytes)
+            loss.backward()
+        step()
+    except (MemoryBudgetExceeded, runtime.OutOfMemoryError) as e:
+        return StepMemory(state, saved, logits_bytes, e)
+    return StepMemory(state, saved, logits_bytes)
+
+
 def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
                  budget_bytes: float | None = None, *, checkpointing: bool = False) -> StepMemory:
     """One training step of llmlab's GPT `model` on (x, y) (B, T) under a memory budget; an OOM is caught and
@@ -239,38 +318,104 @@ def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: to
         raise ValueError(f"model must be a llmlab.model.GPT, got {type(model).__name__}")
     _check_budget(budget_bytes)
     state = measure.model_state_bytes(model, optimizer).total
-    blocks = model.transformer.h if checkpointing else []
-    saved = logits_bytes = 0
     optimizer.zero_grad(set_to_none=False)  # the gradients stay resident, as the planner counts them
-    try:
-        if x.device.type == "cuda":
-            with _cuda_budget(x.device, budget_bytes), measure.peak_allocated(x.device) as peak:
-                with checkpoint.checkpointed(blocks):
-                    logits, loss = model(x, y)  # (B, T, V), scalar
-                logits_bytes = measure.tensor_bytes(logits)
-                saved = runtime.memory_allocated(x.device) - peak.start - logits_bytes
-            loss.backward()  # outside the cap, as on the CPU: the budget is the forward's (what the planner counts)
-        else:
-            with enforced_budget(budget_bytes, state) as budget, checkpoint.checkpointed(blocks):
-                logits, loss = model(x, y)  # (B, T, V), scalar
-                saved, logits_bytes = budget.counter.bytes, measure.tensor_bytes(logits)
-                budget.add(logits_bytes)
-            loss.backward()
-        optimizer.step()
-    except (MemoryBudgetExceeded, runtime.OutOfMemoryError) as e:
-        return StepMemory(state, saved, logits_bytes, e)
-    return StepMemory(state, saved, logits_bytes)
+    return _step_under_budget(model, optimizer.step, state, x, y, budget_bytes,
+                              model.transformer.h if checkpointing else [])
+
+
+def _batch(config: GPTConfig, batch_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    idx = torch.randint(0, config.vocab_size, (batch_size, config.block_size + 1), device=device)  # (B, T+1)
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()  # (B, T) each: the targets are the next tokens
+
+
+def _after_one_step(config: GPTConfig, batch_size: int, device, seed: int):
+    """`config`'s GPT with fp32 AdamW on `device` after one unbudgeted step (AdamW's moments exist), and its batch."""
+    torch.manual_seed(seed)
+    model = GPT(config).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = _batch(config, batch_size, device)  # (B, T) each
+    model(x, y)[1].backward()
+    opt.step()
+    return model, opt, x, y
 
 
 def measure_config(config: GPTConfig, batch_size: int, budget_bytes: float | None = None, *,
                    checkpointing: bool = False, device: torch.device | str = "cpu", seed: int = 0) -> StepMemory:
     """Build `config`'s GPT with fp32 AdamW on `device`, take one unbudgeted step (so AdamW's moments exist),
     then `measure_step` under `budget_bytes` — the planner's precision="fp32", optimizer="adamw" setting."""
-    torch.manual_seed(seed)
-    model = GPT(config).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    idx = torch.randint(0, config.vocab_size, (batch_size, config.block_size + 1), device=device)  # (B, T+1)
-    x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()  # (B, T) each: the targets are the next tokens
-    model(x, y)[1].backward()
-    opt.step()
+    model, opt, x, y = _after_one_step(config, batch_size, device, seed)
     return measure_step(model, opt, x, y, budget_bytes, checkpointing=checkpointing)
+
+
+def snapshot_step(config: GPTConfig, batch_size: int, budget_bytes: float | None = None, *,
+                  checkpointing: bool = False, device: torch.device | str = "cpu", seed: int = 0,
+                  path=None) -> tuple[StepMemory, runtime.MemoryHistory]:
+    """`measure_config`'s step, with its every allocation and free recorded (`runtime.memory_history`: CUDA's
+    memory snapshot, or the profiler's stand-in on a CPU; written to `path` if given). The history starts after
+    the first step: the model state is already resident, so its timeline is what the step adds on top."""
+    model, opt, x, y = _after_one_step(config, batch_size, device, seed)
+    with runtime.memory_history(device, path=path) as history:
+        step = measure_step(model, opt, x, y, budget_bytes, checkpointing=checkpointing)
+    return step, history
+
+
+def _zero_steps(config: GPTConfig, batch_size: int, budget_bytes: float | None, stages, seed: int) -> dict:
+    """On each rank: per ZeRO stage, `config`'s GPT under ZeRO (fp32 AdamW on this rank's shard) after one
+    unbudgeted step, then a step of its own micro-batch of `batch_size` without a budget and one under it."""
+    out = {}
+    for stage in stages:
+        torch.manual_seed(seed)
+        z = zero.ZeRO(GPT(config), stage)
+        x, y = _batch(config, batch_size, "cpu")  # (B, T) each
+        z(x, y)[1].backward()
+        z.step()  # the moments and this rank's gradient shards exist, as the planner counts them
+        out[stage] = tuple(_step_under_budget(z, z.step, z.state_bytes().total, x, y, b, [])
+                           for b in (None, budget_bytes))
+    return out
+
+
+def measure_remedies(remedies: list[Remedy], budget_bytes: float) -> dict[str, tuple[StepMemory, StepMemory]]:
+    """Run each of `remedies` that runs on a CPU, in fp32 AdamW (the planner's precision="fp32",
+    optimizer="adamw" — plan them so to compare): {name: (held, under_budget)}, the step without a budget (what it
+    holds in full) and under the enforced `budget_bytes` (whether it fits). One-process remedies run
+    `measure_config`; the ZeRO stages run together on their data ranks (`measure_zero_config`, one start of the
+    ranks); offload, which moves state from the GPU to the CPU, has nothing to move on a CPU and is left out."""
+    _check_budget(budget_bytes)
+    out, zeroed = {}, [r for r in remedies if r.step is not None and r.step["stage"] > 0]
+    for r in remedies:
+        if r.step is not None and r.step["stage"] == 0:
+            if r.step["data"] != 1:
+                raise ValueError(f"remedy {r.name!r} plans {r.step['data']} data ranks without ZeRO: measure_remedies "
+                                 "runs one process (plan with data=1) or ZeRO's ranks")
+            run = {k: r.step[k] for k in ("config", "batch_size", "checkpointing")}
+            out[r.name] = (measure_config(**run), measure_config(**run, budget_bytes=budget_bytes))
+    if zeroed:
+        first = zeroed[0].step
+        if any(r.step["checkpointing"] for r in zeroed):
+            raise ValueError("ZeRO with checkpointing is not measured here: plan the remedies without checkpointing")
+        if any((r.step["config"], r.step["batch_size"], r.step["data"])
+               != (first["config"], first["batch_size"], first["data"]) for r in zeroed):
+            raise ValueError("the ZeRO remedies differ in more than their stage: measure them one call each")
+        steps = measure_zero_config(first["config"], first["batch_size"], budget_bytes,
+                                    stages=[r.step["stage"] for r in zeroed], world_size=first["data"])
+        out.update({r.name: steps[r.step["stage"]] for r in zeroed})
+    return out
+
+
+def measure_zero_config(config: GPTConfig, batch_size: int, budget_bytes: float | None = None, *,
+                        stages=(1, 2, 3), world_size: int = 2, seed: int = 0, timeout: float = 120.0) -> dict:
+    """`measure_config` with `llmlab.memory.zero.ZeRO` at each of `stages` on `world_size` fresh gloo ranks, each
+    rank a micro-batch of `batch_size` (the planner's batch_size with data=world_size), in fp32 on the CPU:
+    {stage: (held, under_budget)}, the StepMemory of the rank that held the most in a step without a budget
+    (what the step holds in full) and in a step under the enforced `budget_bytes` (whether it fits). The ranks
+    hold equal shards and equal micro-batches, so they run out of memory together or not at all (one alone would
+    leave the others waiting in a collective until `timeout`)."""
+    _check_budget(budget_bytes)
+    validation.integer("world_size", world_size, low=2, hint="(ZeRO shards over data ranks)")
+    for s in stages:
+        validation.integer("stage", s, 1, 3, hint="(a ZeRO stage)")
+    ranks = dist.spawn(_zero_steps, world_size, config, batch_size, budget_bytes, tuple(stages), seed,
+                       timeout=timeout, backend="gloo")
+    # the busiest rank's; under the budget a rank that ran out, if any (the ranks are alike: all or none do)
+    return {s: tuple(max((r[s][i] for r in ranks), key=lambda m: (not m.ok, m.total)) for i in (0, 1))
+            for s in stages}
