@@ -320,6 +320,22 @@ def test_measure_zero_against_the_papers_formulas(cluster):
     assert r["comm_bytes"] == r["comm_formula"] == 3 * 108288 * 4 * 3 / 4
 
 
+def test_stage_3_holds_the_shards_and_one_unit_at_a_time(cluster):
+    """At the start of a unit's forward a rank holds every unit's shard (Ψ/N), the model's own unit (embeddings
+    and final LayerNorm, gathered for the whole forward) and the unit about to run: 4 bytes × (Ψ/N + own +
+    block). With more blocks that tends to Ψ/N: the per-layer gather pays off."""
+    fractions = []
+    for n_layer in (2, 6):
+        r = measure_zero(3, 4, n_layer=n_layer, cluster=cluster)  # Ψ divisible by 4: no padding
+        *blocks, own = r["unit_param_bytes"]
+        assert len(blocks) == n_layer and sum(r["unit_param_bytes"]) == r["full_param_bytes"] == 4 * r["num_params"]
+        assert r["peak_param_bytes"] == r["full_param_bytes"] / 4 + own + blocks[0]
+        fractions.append(r["peak_param_bytes"] / r["full_param_bytes"])
+    assert fractions[1] < fractions[0]
+    with pytest.raises(ValueError, match="n_layer=0 must be an int >= 1"):
+        measure_zero(3, 4, n_layer=0, cluster=cluster)
+
+
 @pytest.mark.parametrize("stage", [4, -1, 1.5, True, "1", None])
 def test_a_stage_other_than_0_to_3_is_refused(stage):
     with pytest.raises(ValueError, match=r"stage=.* must be an int in \[0, 3\] \(the ZeRO stage; 0 is plain data"):

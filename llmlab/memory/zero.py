@@ -387,12 +387,13 @@ def _layers(model, params, units) -> list[tuple[list, torch.nn.Module]]:
 
 # --- measured: bytes per rank and bytes sent per step, against the paper's formulas ----------------------------
 
-def _measure_rank(stage: int, world: int, preset: str, steps: int, batch_size: int) -> dict | None:
+def _measure_rank(stage: int, world: int, preset: str, steps: int, batch_size: int,
+                  n_layer: int | None) -> dict | None:
     grid = Grid(dp=world, ranks=range(world))  # every rank of the cluster takes part in creating the groups
     if not grid.member:
         return None
     torch.manual_seed(0)
-    config = GPTConfig.preset(preset)
+    config = GPTConfig.preset(preset, **({} if n_layer is None else {"n_layer": n_layer}))
     zero = ZeRO(GPT(config), stage, group=grid.dp_group)  # fp32: the planner's precision="fp32"
     materialised = []  # stage 3: bytes of parameter storage alive when each unit's forward starts
 
@@ -411,28 +412,32 @@ def _measure_rank(stage: int, world: int, preset: str, steps: int, batch_size: i
     e = zero.params[0].element_size()
     return {"num_params": zero.num_params, "padding": zero.padding, "itemsize": e, "state": zero.state_bytes(),
             "comm_bytes": log.bytes_sent, "peak_param_bytes": max(materialised, default=None),
-            "full_param_bytes": e * zero.num_params}
+            "full_param_bytes": e * zero.num_params, "unit_param_bytes": [e * u.numel for u in zero.units]}
 
 
-def measure_zero(stage: int, world_size: int, *, preset: str = "tiny", steps: int = 2, batch_size: int = 8,
-                 cluster=None, timeout: float = 120.0) -> dict:
-    """Train the `preset` GPT in fp32 for `steps` steps with ZeRO `stage` on `world_size` ranks (fresh ones, or the
-    first ranks of `cluster`, a dist.Cluster), and measure on the busiest rank:
+def measure_zero(stage: int, world_size: int, *, preset: str = "tiny", n_layer: int | None = None, steps: int = 2,
+                 batch_size: int = 8, cluster=None, timeout: float = 120.0) -> dict:
+    """Train the `preset` GPT (with `n_layer` blocks, if given) in fp32 for `steps` steps with ZeRO `stage` on
+    `world_size` ranks (fresh ones, or the first ranks of `cluster`, a dist.Cluster), and measure on the busiest
+    rank:
 
     - `bytes`: its model state after the last step (StateBytes), vs `formula_bytes` =
       planner.model_state_bytes(Ψ, stage, N, "adamw", "fp32"): 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N;
     - `comm_bytes`: what it sent during the last step (CommLog), vs `comm_formula` = 2Ψ·4·(N−1)/N bytes
       (stages 0–2; 3Ψ at stage 3), the paper's data volume sent by a ring;
     - `peak_param_bytes` (stage 3): parameter storage alive at the start of a layer's forward, the shards
-      included, vs `full_param_bytes` = 4Ψ.
+      included, vs `full_param_bytes` = 4Ψ; `unit_param_bytes`: the full parameter bytes of each unit stage 3
+      gathers at a time (the blocks, then the model's own: embeddings and final LayerNorm).
     """
     validation.integer("world_size", world_size, low=1)
     validation.integer("stage", stage, 0, 3, hint="(the ZeRO stage; 0 is plain data parallel)")
+    if n_layer is not None:
+        validation.integer("n_layer", n_layer, low=1)
     if batch_size % world_size:
         raise ValueError(f"world_size={world_size} does not divide batch_size={batch_size}")
     if cluster is not None and cluster.world_size < world_size:
         raise ValueError(f"cluster has {cluster.world_size} ranks, fewer than world_size={world_size}")
-    args = (stage, world_size, preset, steps, batch_size)
+    args = (stage, world_size, preset, steps, batch_size, n_layer)
     ranks = cluster.run(_measure_rank, *args, timeout=timeout) if cluster else dist.spawn(
         _measure_rank, world_size, *args, timeout=timeout)
     ranks = [r for r in ranks if r is not None]
@@ -442,7 +447,8 @@ def measure_zero(stage: int, world_size: int, *, preset: str = "tiny", steps: in
             "bytes": busiest["state"], "formula_bytes": planner.model_state_bytes(psi, stage, n, "adamw", "fp32"),
             "comm_bytes": max(r["comm_bytes"] for r in ranks),
             "comm_formula": (3 if stage == 3 else 2) * psi * e * (n - 1) / n,
-            "peak_param_bytes": busiest["peak_param_bytes"], "full_param_bytes": busiest["full_param_bytes"]}
+            "peak_param_bytes": busiest["peak_param_bytes"], "full_param_bytes": busiest["full_param_bytes"],
+            "unit_param_bytes": busiest["unit_param_bytes"]}
 
 
 def bench(world_sizes=(2, 4)) -> list[dict]:
