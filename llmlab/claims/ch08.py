@@ -120,11 +120,10 @@ def lora_resources() -> Measurement:
         text=(f"GPT-2 ({n_full / 1e6:.0f}M params), LoRA r=8 on attn.c_attn+attn.c_proj: trainable "
               f"{n_lora:,} vs {n_full:,}, AdamW state {opt_lora / 2**20:.1f} MiB vs {opt_full / 2**20:.0f} MiB "
               f"({opt_saving:.1%} less); but weights+grads+AdamW only {static_saving:.0%} less (the frozen weights "
-              f"stay), and on the tiny GPT (LoRA r=8 on the same attention layers) saved activations {act_saving:.0%} less "
-              f"and a forward+backward takes "
-              f"{time_ratio:.2f}× ±{timed.spread:.0%} the full fine-tune's time ({len(timed.ratios)} interleaved "
-              f"rounds, {timed.load}{'; ' + timed.note() if timed.note() else ''}: backward still runs through "
-              "every layer). The "
+              f"stay), and on the tiny GPT (LoRA r=8 on the same attention layers) saved activations "
+              f"{act_saving:.0%} less and a forward+backward takes {time_ratio:.2f}× ±{timed.spread:.0%} the full "
+              f"fine-tune's time ({len(timed.ratios)} interleaved rounds, {timed.load}"
+              f"{'; ' + timed.note() if timed.note() else ''}: backward still runs through every layer). The "
               f"snippet's all-zero A and B: after {zero_steps} AdamW steps max |A|,|B| = {zero_largest:g}, loss "
               f"spread {zero_spread:g} — it never learns"),
         device=here(), verdict=verdict)
