@@ -21,7 +21,7 @@ def test_warmup_then_cosine_endpoints():
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:], strict=False))  # falling decay
 
 
-def test_material_formula_wastes_update_zero_and_constant_decay():
+def test_material_formula_starts_at_lr_zero_and_constant_decay():
     assert material_warmup_lr(0, 1e-3, 10) == 0.0
     assert material_warmup_lr(5, 1e-3, 10) == pytest.approx(5e-4)
     assert LRSchedule(1e-3, 50, 10, warmup_formula="material").lr(0) == 0.0

@@ -13,7 +13,8 @@ __all__ = ["WARMUP_FORMULA_TEXT", "warmup_schedule", "format_warmup_schedule", "
            "warmup_schedule_explorer"]
 
 # how each of llmlab.train.schedule.WARMUP_FORMULAS ramps the LR over update `step` < warmup
-WARMUP_FORMULA_TEXT = {"shifted": "base_lr·(step+1)/warmup", "material": "base_lr·step/warmup (the material's)"}
+WARMUP_FORMULA_TEXT = {"shifted": "base_lr·(step+1)/warmup",
+                       "material": "base_lr·step/warmup (the material's, Hugging Face's)"}
 ZOOM_STEPS = 10  # the right panel: the first updates, one marker each
 
 
