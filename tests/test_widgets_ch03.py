@@ -32,7 +32,7 @@ def test_published_sizes():
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [False, "selective", True])
 @pytest.mark.parametrize("tensor", [1, 4])
 def test_memory_plan_is_the_planner(stage, checkpointing, tensor):
     r = widgets.memory_plan("GPT-3 6.7B", batch_size=2, seq_len=1024, stage=stage, data=16,
@@ -58,6 +58,7 @@ def test_the_default_is_the_chapter_example():
     assert "does not fit on A100 SXM (80 GB)" in text and "ZeRO-0 over 8 GPUs" in text
     assert "fits on A100 SXM" in widgets.format_memory_plan(widgets.memory_plan(stage=3))
     assert "every block checkpointed" in widgets.format_memory_plan(widgets.memory_plan(checkpointing=True))
+    assert "the attention core recomputed" in widgets.format_memory_plan(widgets.memory_plan(checkpointing="selective"))
 
 
 def test_memory_plan_refuses_bad_input():
@@ -71,7 +72,7 @@ def test_memory_plan_refuses_bad_input():
         widgets.memory_plan("GPT-2 XL (1.5B)", tensor=2)
     with pytest.raises(ValueError, match="seq_len=4096 > block_size=2048"):
         widgets.memory_plan(seq_len=4096)
-    with pytest.raises(ValueError, match="checkpointing"):
+    with pytest.raises(ValueError, match="checkpointing='yes' must be one of 'none', 'selective', 'full'"):
         widgets.memory_plan(checkpointing="yes")
     with pytest.raises(ValueError, match="powers of 2"):
         widgets.memory_planner(batch_size=3)
@@ -105,6 +106,9 @@ def test_memory_planner_recomputes_and_redraws():
     assert (r["model"], r["seq_len"], r["stage"], r["checkpointing"], r["gpu"]) == ("GPT-2 XL (1.5B)", 512, 3, True,
                                                                                     "H100 SXM")
     assert r["plan"].recompute > 0
+    explorer.controls["checkpointing"].value = "selective"
+    assert "the attention core recomputed" in explorer.result.value
+    assert 0 < explorer.plan()["plan"].recompute < r["plan"].recompute
     explorer.controls["seq_len"].value = 0  # "context": the model's block_size
     assert explorer.plan()["seq_len"] == 1024
     bundle = explorer._repr_mimebundle_()

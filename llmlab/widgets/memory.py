@@ -27,8 +27,11 @@ MEMORY_MODELS: dict[str, dict] = {
 }
 # planner.Plan's fields, in the order the bars stack them, with their legend labels
 MEMORY_CATEGORIES = {"params": "parameters", "grads": "gradients", "optimizer_state": "optimizer state",
-                     "activations": "activations", "recompute": "recompute (one block)",
+                     "activations": "activations", "recompute": "recompute (one block or core)",
                      "logits": "logits (B·T·V)"}
+# planner.CHECKPOINTING's modes, as format_memory_plan says them
+_RECOMPUTE_SAYS = {"none": "no checkpointing", "selective": "the attention core recomputed (selective)",
+                   "full": "every block checkpointed"}
 
 
 def memory_model_config(model: str):
@@ -41,10 +44,11 @@ def memory_model_config(model: str):
 
 
 def memory_plan(model: str = "GPT-3 6.7B", batch_size: int = 1, seq_len: int | None = None, stage: int = 0,
-                data: int = 8, checkpointing: bool = False, tensor: int = 1, gpu: str = "A100 SXM") -> dict:
+                data: int = 8, checkpointing: bool | str = False, tensor: int = 1, gpu: str = "A100 SXM") -> dict:
     """The memory per GPU of training `model` (a MEMORY_MODELS name) in mixed precision with Adam:
     micro-batches of `batch_size` sequences of `seq_len` tokens (default: the model's block_size), ZeRO `stage`
-    over `data` data-parallel GPUs, `tensor`-way tensor parallelism, every block checkpointed or not
+    over `data` data-parallel GPUs, `tensor`-way tensor parallelism, `checkpointing` one of the planner's
+    CHECKPOINTING ("none", "selective": the attention core recomputed, "full": every block; or False / True)
     (`llmlab.memory.planner.plan`, 16-bit activations, 1-byte dropout masks as on CUDA), against `gpu`'s memory
     from the spec sheet (llmlab.hardware.SPECS, GB = 1e9 bytes; the CUDA context's ≈0.5 GB is not counted).
 
@@ -54,8 +58,7 @@ def memory_plan(model: str = "GPT-3 6.7B", batch_size: int = 1, seq_len: int | N
 
     config = memory_model_config(model)
     spec = gpu_spec(gpu)
-    if not isinstance(checkpointing, bool):
-        raise ValueError(f"checkpointing={checkpointing!r} must be True or False")
+    planner.checkpointing_mode(checkpointing)  # refuses anything else, naming the argument
     T = config.block_size if seq_len is None else seq_len
     by_stage = {s: planner.plan(config, batch_size, T, stage=s, data=data, tensor=tensor,
                                 checkpointing=checkpointing) for s in range(4)}
@@ -78,7 +81,7 @@ def format_memory_plan(r: dict) -> str:
     verdict = "fits on" if r["fits"] else "does not fit on"
     return (f"{r['model']} ({count(r['num_params'])} params), micro-batch {r['batch_size']} × {r['seq_len']} "
             f"tokens, ZeRO-{r['stage']} over {r['data']} GPU{'s' * (r['data'] > 1)}, tensor parallel "
-            f"{r['tensor']}, {'every block checkpointed' if r['checkpointing'] else 'no checkpointing'}: "
+            f"{r['tensor']}, {_RECOMPUTE_SAYS[planner.checkpointing_mode(r['checkpointing'])]}: "
             f"{parts} = {_gb(r['total'])} per GPU → {verdict} {r['gpu']} ({_gb(r['memory'])})")
 
 
@@ -118,10 +121,10 @@ _MEMORY_SEQ = (None, 64, 128, 256, 512, 1024, 2048)  # None: the model's block_s
 
 
 def memory_planner(model: str = "GPT-3 6.7B", batch_size: int = 1, seq_len: int | None = None, stage: int = 0,
-                   data: int = 8, checkpointing: bool = False, tensor: int = 1, gpu: str = "A100 SXM"):
+                   data: int = 8, checkpointing: bool | str = False, tensor: int = 1, gpu: str = "A100 SXM"):
     """A memory-planner widget: model, micro-batch, sequence length, ZeRO stage, data-parallel GPUs N,
-    checkpointing and tensor degree → the bytes per GPU by category as stacked bars (every stage, the chosen one
-    solid) and whether they fit the chosen GPU (`memory_plan`).
+    recompute (none, the attention core, every block) and tensor degree → the bytes per GPU by category as
+    stacked bars (every stage, the chosen one solid) and whether they fit the chosen GPU (`memory_plan`).
 
     `.result` (HTML) holds `format_memory_plan(...)`, `.plot` (an Image widget) the figure; `.controls` maps
     argument names to the controls; `.plan()` returns the current `memory_plan` dict. A combination the planner
@@ -150,7 +153,11 @@ def memory_planner(model: str = "GPT-3 6.7B", batch_size: int = 1, seq_len: int 
                                   layout=layout),
         "tensor": w.SelectionSlider(options=powers(4), value=tensor, description="tensor parallel t", style=style,
                                     layout=layout),
-        "checkpointing": w.Checkbox(value=checkpointing, description="checkpoint every block", style=style),
+        "checkpointing": w.ToggleButtons(options=[("none", False), ("attention core", "selective"),
+                                                  ("every block", True)],
+                                         value={"none": False, "selective": "selective", "full": True}[
+                                             planner.checkpointing_mode(checkpointing)],
+                                         description="recompute", style={**style, "button_width": "100px"}),
         "gpu": w.Dropdown(options=list(SPECS), value=gpu, description="GPU", style=style, layout=layout),
     }
 
