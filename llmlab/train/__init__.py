@@ -1,5 +1,6 @@
 """Training: LR schedules (`schedule`), gradient clipping (`clip`), the Trainer (`trainer`) and its state files
-(`state`), and the capstone command `llmlab train` (`capstone`, a package composing the workbook's parts on the
+(`state`), a sweep of warmup length × peak LR on the tiny GPT (`sweep`: chapter 6, claim C16), and the capstone
+command `llmlab train` (`capstone`, a package composing the workbook's parts on the
 Trainer). See each module's docstring; the Trainer's is the place to start.
 
     from llmlab.train import Trainer, TrainConfig
