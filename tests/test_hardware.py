@@ -2,7 +2,6 @@
 clock), points and functions alongside; bad arguments refused."""
 
 import math
-import time
 import warnings
 
 import pytest
@@ -13,9 +12,7 @@ from llmlab.hardware import roofline
 
 
 def test_measure_this_device():
-    start = time.perf_counter()
     m = hardware.measure(seconds=0.4)
-    elapsed = time.perf_counter() - start
     assert m.device == str(runtime.device()) and m.name and m.threads >= 1
     for value in (m.matmul_flops, m.copy_bandwidth):
         assert math.isfinite(value) and value > 0
@@ -24,7 +21,6 @@ def test_measure_this_device():
         # Bounds no CPU comes near: the largest servers reach a few fp32 TFLOP/s and under 1 TB/s of DRAM.
         assert m.matmul_flops < 10e12
         assert m.copy_bandwidth < 2e12
-    assert elapsed < 0.4 * 5 + 2, "measure overran its budget by far"  # first call also pays allocation
     assert "TFLOP/s" in str(m) and "GB/s" in str(m)
 
 

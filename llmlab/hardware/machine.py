@@ -248,7 +248,7 @@ def _search_n(device) -> tuple[int, tuple[tuple[int, float], ...]]:
 def matmul_peak(device=None, seconds: float = 0.5) -> tuple[float, int, timing.Timing]:
     """The roof's flat part alone: (FLOP/s, n, Timing) of the fp32 n×n matmul `measure` times, n found by the same
     search, on the threads torch uses now, in about `seconds` of rounds. Without the bandwidths, whose tensors
-    exceed the last-level cache (4 × 480 MiB on a server CPU: seconds to allocate and sum)."""
+    exceed the last-level cache (up to 1 GiB each: seconds to allocate and sum on a server CPU)."""
     validation.positive("seconds", seconds)
     device = runtime.device() if device is None else torch.device(device)
     n, _ = _search_n(device)
@@ -298,8 +298,10 @@ def _measure(device, seconds: float, points: tuple, alongside: dict) -> Measured
     started = time.perf_counter()
     cache = cache_bytes(device)
     n, tried = _search_n(device)
-    # well beyond the last-level cache, so that every byte comes from main memory
-    nbytes = max((1 << 30) if device.type == "cuda" else (128 << 20), 4 * cache)
+    # beyond the last-level cache, so that every byte comes from main memory: STREAM's 4 × the cache, but on a CPU
+    # no more than 1 GiB where that is already 2 × (a 480 MiB server L3 would ask for 2 × 1.9 GB: seconds per round)
+    floor = (1 << 30) if device.type == "cuda" else (128 << 20)
+    nbytes = max(floor, 4 * cache if device.type == "cuda" else min(4 * cache, max(2 * cache, 1 << 30)))
     src = torch.ones(nbytes // 4, device=device)  # written once, so every page is really allocated
     dst = torch.zeros_like(src)
     gemms = {pt.label: roofline.gemm_function(pt, device) for pt in points}
