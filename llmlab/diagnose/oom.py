@@ -393,8 +393,7 @@ def measure_remedies(remedies: list[Remedy], budget_bytes: float) -> dict[str, t
         first = zeroed[0].step
         if any(r.step["checkpointing"] for r in zeroed):
             raise ValueError("ZeRO with checkpointing is not measured here: plan the remedies without checkpointing")
-        if any((r.step["config"], r.step["batch_size"], r.step["data"])
-               != (first["config"], first["batch_size"], first["data"]) for r in zeroed):
+        if len({(r.step["config"], r.step["batch_size"], r.step["data"]) for r in zeroed}) > 1:
             raise ValueError("the ZeRO remedies differ in more than their stage: measure them one call each")
         steps = measure_zero_config(first["config"], first["batch_size"], budget_bytes,
                                     stages=[r.step["stage"] for r in zeroed], world_size=first["data"])
