@@ -18,11 +18,13 @@ def test_diagnose_predicts_oom_and_ranks_remedies():
     config = GPTConfig.preset("gpt2")
     report = oom.diagnose(config, 16, 12e9)  # 15 GB planned (mixed-precision Adam, no ZeRO): 3 GB over
     assert not report.fits and report.over_bytes > 0
-    ranks = [(oom.COSTS.index(r.cost), -r.saving) for r in report.remedies]
-    assert ranks == sorted(ranks)  # cheapest first, then the largest saving
+    ranks = [(oom.COSTS.index(r.cost), r.extra_flops, -r.saving) for r in report.remedies]
+    assert ranks == sorted(ranks)  # cheapest first (the cost, then the FLOPs recompute adds), then the largest saving
     assert [r.name for r in report.remedies] == [
-        "memory-efficient attention", "ZeRO-2", "ZeRO-1", "ZeRO-3", "CPU offload", "gradient checkpointing",
-        "gradient accumulation", "smaller batch", "smaller model"]
+        "memory-efficient attention", "ZeRO-2", "ZeRO-1", "ZeRO-3", "CPU offload", "gradient accumulation",
+        "selective recompute", "gradient checkpointing", "smaller batch", "smaller model"]
+    named = {r.name: r for r in report.remedies}
+    assert 0 < named["selective recompute"].extra_flops < named["gradient checkpointing"].extra_flops < 0.34
     for r in report.remedies:
         assert r.saving == pytest.approx(report.plan.total - r.plan.total) and r.price
     assert "OOM" in report.summary() and "costs nothing" in report.summary()
@@ -46,7 +48,10 @@ def test_offload_and_zero_stages():
     named = {r.name: r for r in oom.remedies(GPTConfig.preset("gpt2"), 4, 1e9, stage=2, data=4)}
     assert "ZeRO-1" not in named and "ZeRO-2" not in named and named["ZeRO-3"].change == "stage 2 → 3 over 4 data ranks"
     flash = {r.name for r in oom.remedies(GPTConfig.preset("tiny", flash=True), 4, 1e9)}
-    assert "memory-efficient attention" not in flash
+    assert not flash & {"memory-efficient attention", "selective recompute"}
+    selective = {r.name: r for r in oom.remedies(GPTConfig.preset("tiny"), 4, 1e9, checkpointing="selective")}
+    assert "selective recompute" not in selective and selective["gradient checkpointing"].step["checkpointing"] is True
+    assert selective["smaller batch"].step["config"].recompute == "selective"  # measured as planned
 
 
 def test_diagnose_quiet_when_it_fits():

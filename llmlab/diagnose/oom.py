@@ -6,12 +6,12 @@ ZeRO. Ranked beside them here: memory-efficient attention, which drops the T² a
 runs `torch.nn.functional.scaled_dot_product_attention`), ZeRO's three stages (Rajbhandari et al. 2020) and CPU
 offload of the gradients and optimizer state (ZeRO-Offload, Ren et al. 2021). The planner (`llmlab.memory.planner`,
 after Rajbhandari et al. 2020 and Korthikanti et al. 2022) says what each one saves before anything runs, and the
-ranking puts the cheapest first (`COSTS`: what a remedy costs, then the predicted saving):
+ranking puts the cheapest first (`COSTS`: what a remedy costs; the FLOPs a recompute adds; then the saving):
 
     from llmlab.diagnose import oom
     report = oom.diagnose(GPTConfig.preset("gpt2"), batch_size=16, budget_bytes=80e9, data=8)
     report.fits, report.over_bytes
-    report.remedies        # [Remedy(name, change, cost, price, plan, saving, fits, step), ...], cheapest first
+    report.remedies        # [Remedy(name, change, cost, price, plan, saving, fits, step, extra_flops), ...]
 
 **The budget, measured.** A CPU has no allocator to run out of, so `enforced_budget` makes one: a saved-tensor
 hook (`llmlab.memory.measure.StorageCounter`) counts every byte autograd keeps for backward on top of the model
@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from llmlab import dist, runtime, validation
+from llmlab import dist, flops, runtime, validation
 from llmlab.memory import checkpoint, measure, planner, zero
 from llmlab.model import GPT, GPTConfig
 
@@ -46,7 +46,7 @@ __all__ = ["MemoryBudgetExceeded", "COSTS", "Remedy", "OOMReport", "offloaded", 
            "forward_bytes", "enforced_budget", "StepMemory", "measure_step", "measure_config", "measure_remedies",
            "measure_zero_config", "snapshot_step"]
 
-# What a remedy costs, cheapest first: `remedies` ranks by this, then by predicted saving.
+# What a remedy costs, cheapest first: `remedies` ranks by this, then by the FLOPs a recompute adds, then by saving.
 COSTS = (
     "nothing",  # the same computation, in less memory
     "communication, same volume",  # ZeRO-1/2: reduce-scatter + all-gather, 2Ψ as DP's all-reduce (ZeRO paper §7)
@@ -82,11 +82,12 @@ class Remedy:
     # the step it plans: config, batch_size, checkpointing, ZeRO stage and data ranks (None: the same step, with
     # the state elsewhere — offload); `measure_remedies` runs it
     step: dict | None = None
+    extra_flops: float = 0.0  # the matmul FLOPs its recompute adds, as a fraction of the step's
 
 
 @dataclass(frozen=True)
 class OOMReport:
-    """`diagnose`'s answer: the plan, the budget, and the remedies ranked cheapest first (`COSTS`, then saving)."""
+    """`diagnose`'s answer: the plan, the budget, and the remedies ranked cheapest first (see `remedies`)."""
 
     plan: planner.Plan
     budget_bytes: float
@@ -122,14 +123,15 @@ def offloaded(plan: planner.Plan) -> planner.Plan:
 
 def remedies(config: GPTConfig, batch_size: int, budget_bytes: float, *, zero_ranks: int = 8,
              **plan_kwargs) -> list[Remedy]:
-    """Each remedy applied alone to `planner.plan(config, batch_size, **plan_kwargs)`, cheapest first (`COSTS`),
-    then largest predicted saving first. `zero_ranks` is the data-parallel degree ZeRO shards over when the plan
-    has `data=1`.
+    """Each remedy applied alone to `planner.plan(config, batch_size, **plan_kwargs)`, cheapest first (`COSTS`,
+    then the FLOPs a recompute adds), then largest predicted saving first. `zero_ranks` is the data-parallel degree
+    ZeRO shards over when the plan has `data=1`.
 
     - memory-efficient attention (Rabe & Staats 2021; Dao et al. 2022): `flash=True`, no T² matrix is kept;
     - ZeRO-1, -2, -3: each stage above the plan's (Rajbhandari et al. 2020), over the plan's data ranks (or
       `zero_ranks`);
     - CPU offload: gradients and optimizer state in CPU memory (ZeRO-Offload, Ren et al. 2021; `offloaded`);
+    - selective recompute (Korthikanti et al. 2022 §5): the attention core is recomputed, not kept;
     - gradient checkpointing (Chen et al. 2016): every block keeps only its input;
     - gradient accumulation: half the micro-batch, two of them per step (the same samples per step, twice the
       steps' passes — memory of the small batch, optimisation of the large one);
@@ -139,7 +141,7 @@ def remedies(config: GPTConfig, batch_size: int, budget_bytes: float, *, zero_ra
     validation.positive("budget_bytes", budget_bytes, hint="(bytes)")
     validation.integer("zero_ranks", zero_ranks, low=2, hint="(ZeRO shards over data ranks)")
     base = planner.plan(config, batch_size, **plan_kwargs)
-    options: list[tuple[str, str, str, str, dict | None]] = []  # name, change, cost, price, what changes
+    options: list[tuple] = []  # name, change, cost, price, what changes[, the step's FLOPs it adds]
     if not config.flash:
         options.append(("memory-efficient attention", "GPTConfig(flash=True): scaled_dot_product_attention",
                         "nothing", "none: the same attention to rounding, and faster on GPUs (fewer reads and writes "
@@ -155,10 +157,18 @@ def remedies(config: GPTConfig, batch_size: int, budget_bytes: float, *, zero_ra
     options.append(("CPU offload", "gradients and optimizer state to CPU memory (ZeRO-Offload)", "communication, more",
                     "the gradients to the CPU and the updated 16-bit parameters back over PCIe every step "
                     "(2Ψ bytes each way in mixed precision), the optimizer step on the CPU (Ren et al. 2021)", None))
-    if not plan_kwargs.get("checkpointing"):
+    mode = planner.checkpointing_mode(plan_kwargs.get("checkpointing", False))
+    step_flops = flops.training_step_flops(config, batch_size)
+    if mode == "none" and not config.flash and config.recompute == "none":
+        extra = planner.recompute_flops(config, batch_size, checkpointing="selective") / step_flops
+        options.append(("selective recompute", 'GPTConfig(recompute="selective"): the attention core recomputed',
+                        "compute", f"q·kᵀ and p·v run again in backward: {extra:.1%} more matmul FLOPs here "
+                        "(Korthikanti et al. 2022 §5)", {"config": replace(config, recompute="selective")}, extra))
+    if mode != "full":
+        extra = planner.recompute_flops(config, batch_size, checkpointing="full") / step_flops
         options.append(("gradient checkpointing", "checkpoint every block", "compute",
-                        "a second forward of every block in backward: about a third more compute (Chen et al. 2016)",
-                        {"checkpointing": True}))
+                        f"a second forward of every block in backward: {extra:.0%} more matmul FLOPs here "
+                        "(Chen et al. 2016)", {"checkpointing": True}, extra))
     if batch_size > 1:
         half = batch_size // 2
         if batch_size % 2 == 0:
@@ -172,17 +182,19 @@ def remedies(config: GPTConfig, batch_size: int, budget_bytes: float, *, zero_ra
         options.append(("smaller model", f"n_layer {config.n_layer} → {small.n_layer}", "the training itself",
                         "a smaller, worse model", {"config": small}))
     out = []
-    for name, change, cost, price, changed in options:
+    for name, change, cost, price, changed, *added in options:
         step = None
         if changed is None:  # offload: what the GPU keeps changes, not the step
             p = offloaded(base)
         else:
-            step = {"config": config, "batch_size": batch_size, "stage": stage, "data": data,
-                    "checkpointing": plan_kwargs.get("checkpointing", False), **changed}
+            step = {"config": replace(config, recompute="selective") if mode == "selective" else config,
+                    "batch_size": batch_size, "stage": stage, "data": data, "checkpointing": mode == "full",
+                    **changed}
             p = planner.plan(step["config"], step["batch_size"], **{**plan_kwargs, **{
                 k: step[k] for k in ("checkpointing", "stage", "data")}})
-        out.append(Remedy(name, change, cost, price, p, base.total - p.total, p.fits(budget_bytes), step))
-    return sorted(out, key=lambda r: (COSTS.index(r.cost), -r.saving))
+        out.append(Remedy(name, change, cost, price, p, base.total - p.total, p.fits(budget_bytes), step,
+                          added[0] if added else 0.0))
+    return sorted(out, key=lambda r: (COSTS.index(r.cost), r.extra_flops, -r.saving))
 
 
 def diagnose(config: GPTConfig, batch_size: int, budget_bytes: float, *, zero_ranks: int = 8,
