@@ -43,3 +43,16 @@ def test_claim_c9_verdict_follows_the_rounds_or_says_inconclusive(monkeypatch, r
     m = ch03.checkpoint_overhead()
     assert m.verdict == verdict
     assert f"{statistics.median(ratios):.2f}×" in m.text and "±" in m.text  # the figure and its spread, always
+
+
+def test_claim_c9_names_selective_recompute_at_gpt3_scale(monkeypatch):
+    """Korthikanti et al. 2022: a GPT-3 175B layer (s = 2048, h = 12288, a = 96) keeps 34·sbh + 5·as²b bytes, 34·sbh
+    with selective recompute: 34 / (34 + 5as/h) = 34/114 of them (the planner adds the LayerNorms' statistics and
+    the causal mask, 0.15% more to the first). Recompute FLOPs over a step's 3 forwards: the core's 4·s²·h per
+    layer, under 1%; every layer's forward, just under a third (the head is not recomputed)."""
+    monkeypatch.setattr(checkpoint.step_times, "recent", lambda: _step_times((1.30, 1.32, 1.33, 1.35, 1.36)))
+    m = ch03.checkpoint_overhead()
+    assert m.value["GPT-3 selective kept / none"] == pytest.approx(34 / 114, rel=2e-3)
+    assert 0.005 < m.value["GPT-3 selective extra FLOPs"] < 0.01
+    assert m.value["GPT-3 full extra FLOPs"] == pytest.approx(1 / 3, rel=0.01)
+    assert "selective recompute of the attention core keeps 30%" in m.text

@@ -2,7 +2,9 @@
 8-bit activations' 75% (C11).
 
 C9's step times are `checkpoint.step_times.recent()`, the last measurement (the chapter's cell made it): the cell
-and this claim show the same rounds. Its verdict rests on them, so it reads INCONCLUSIVE when they cannot decide."""
+and this claim show the same rounds. Its verdict rests on them, so it reads INCONCLUSIVE when they cannot decide.
+Its text also names the option between none and full (Korthikanti et al. 2022, §5): selective recompute of the
+attention core, counted by the planner for GPT-3 175B (the bytes a layer keeps, the FLOPs it adds to a step)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import math
 
 import torch
 
+from llmlab import flops
 from llmlab.claims import INCONCLUSIVE, Measurement, here, register
 from llmlab.memory import checkpoint, compress, measure, planner
 from llmlab.model import GPT, GPTConfig
@@ -25,6 +28,12 @@ def checkpoint_overhead() -> Measurement:
     n = 16
     plain, sqrt_n = checkpoint.segment_sweep(segments=(1, math.isqrt(n)), n_layer=n, batch_size=2)
     counted = all(row["saved_bytes"] == row["predicted_bytes"] for row in (plain, sqrt_n))
+    # GPT-3 175B, one sequence, 16-bit activations and 1-byte dropout masks (Korthikanti et al.'s setting)
+    gpt3 = GPTConfig(**flops.GPT3_CONFIG, dropout=0.1)
+    step = flops.training_step_flops(gpt3, 1)
+    kept = {mode: planner.layer_activation_bytes(gpt3, 1, None, mode, dtype_bytes=2)[0]
+            for mode in ("none", "selective")}
+    extra = {mode: planner.recompute_flops(gpt3, 1, None, mode) / step for mode in ("selective", "full")}
     # One extra forward costs forward / (forward + backward) of a step: 1/3 when backward = 2 forwards, as FLOPs
     # say (4ND vs 2ND). The step ratio's interquartile range inside 1.2-1.5: that holds; wholly outside: the
     # measured forward share says why; across either edge, or too spread: the rounds cannot decide.
@@ -39,14 +48,19 @@ def checkpoint_overhead() -> Measurement:
     return Measurement(
         value={"step-time overhead": over.ratio - 1, "step-time ratio spread": over.spread,
                "forward share": share.ratio, "saved-activation reduction": reduction,
-               "sqrt(n) segments / none": sqrt_n["saved_bytes"] / plain["saved_bytes"]}, unit="fraction",
+               "sqrt(n) segments / none": sqrt_n["saved_bytes"] / plain["saved_bytes"],
+               "GPT-3 selective kept / none": kept["selective"] / kept["none"],
+               "GPT-3 selective extra FLOPs": extra["selective"], "GPT-3 full extra FLOPs": extra["full"]},
+        unit="fraction",
         text=(f"checkpointing every block of the {t.size}: step {over.ratio:.2f}× ±{over.spread:.0%} "
               f"({over.ratio - 1:+.0%}; a forward alone is {share.ratio:.0%} ±{share.spread:.0%} of a step here; "
               f"{len(over.ratios)} interleaved rounds, {over.load}){why}; saved activations "
               f"{t.saved_MB['no checkpointing']:.2f} → {t.saved_MB['llmlab checkpoint']:.2f} MB (−{reduction:.0%}). "
               f"{n} blocks in √{n} = {sqrt_n['segments']} segments keep "
               f"{sqrt_n['saved_bytes'] / plain['saved_bytes']:.0%} of the bytes, "
-              f"{'equal to' if counted else 'unlike'} Chen et al.'s count"),
+              f"{'equal to' if counted else 'unlike'} Chen et al.'s count. Between none and full, selective "
+              f"recompute of the attention core keeps {kept['selective'] / kept['none']:.0%} of a GPT-3 175B layer's "
+              f"activations for +{extra['selective']:.1%} of a step's FLOPs (every block: +{extra['full']:.0%})"),
         device=here(), verdict=verdict)
 
 
