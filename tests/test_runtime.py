@@ -212,10 +212,10 @@ def test_memory_history_is_filled_in_when_the_block_raises():
 def test_memory_history_on_cuda_is_the_allocators_snapshot(tmp_path):
     cuda = torch.device("cuda", 0)
     with runtime.memory_history(cuda, path=tmp_path / "snap.pickle") as history:
-        block = torch.empty(1 << 20, dtype=torch.uint8, device=cuda)  # 1 MiB: the allocator's sizes are multiples
+        block = torch.empty(1 << 20, dtype=torch.uint8, device=cuda)  # 1 MiB (the allocator may round a block up)
         del block
     allocs = [e for e in history.trace if e["action"] == "alloc"]
-    assert allocs and allocs[0]["size"] == 1 << 20 and history.peak >= 1 << 20 and "CUDA" in history.source
+    assert any(e["size"] >= 1 << 20 for e in allocs) and history.peak >= 1 << 20 and "CUDA" in history.source
     assert set(pickle.loads(history.path.read_bytes())) >= {"segments", "device_traces"}
 
 
