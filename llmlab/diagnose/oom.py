@@ -3,8 +3,9 @@
 The material's §7.1 lists four remedies for an OOM — a smaller batch, gradient checkpointing, a smaller model,
 ZeRO. Ranked beside them here: memory-efficient attention, which drops the T² attention matrices (Rabe & Staats
 2021, "Self-attention Does Not Need O(n²) Memory"; Dao et al. 2022, "FlashAttention"; `GPTConfig(flash=True)`
-runs `torch.nn.functional.scaled_dot_product_attention`), ZeRO's three stages (Rajbhandari et al. 2020) and CPU
-offload of the gradients and optimizer state (ZeRO-Offload, Ren et al. 2021). The planner (`llmlab.memory.planner`,
+runs `torch.nn.functional.scaled_dot_product_attention`), ZeRO's three stages (Rajbhandari et al. 2020), CPU
+offload of the gradients and optimizer state (ZeRO-Offload, Ren et al. 2021) and selective recompute of the attention
+core (Korthikanti et al. 2022 §5, `GPTConfig(recompute="selective")`). The planner (`llmlab.memory.planner`,
 after Rajbhandari et al. 2020 and Korthikanti et al. 2022) says what each one saves before anything runs, and the
 ranking puts the cheapest first (`COSTS`: what a remedy costs; the FLOPs a recompute adds; then the saving):
 
@@ -24,7 +25,8 @@ planner's `total - recompute`. The budget covers the forward on both devices (th
 with checkpointing, backward briefly adds one block's recomputed activations (`Plan.recompute`) and the gradients of
 the activations, transients the planner's forward count leaves out. (On an H200 the backward under the same cap ran
 out of memory where the forward fit, the first GPU run of this module.) `measure_zero_config` runs the same step
-with `llmlab.memory.zero.ZeRO` on real gloo ranks, each under the budget; `snapshot_step` records the step's every
+with `llmlab.memory.zero.ZeRO` on real gloo ranks, each under the budget; `measure_remedies` runs every remedy that
+runs on a CPU, with and without the budget; `snapshot_step` records the step's every
 allocation and free (`runtime.memory_history`: CUDA's memory snapshot, the profiler's on a CPU).
 
 Claim C18 (the remedies' savings are predictable) is measured with this module in `llmlab.claims.ch07`.
