@@ -113,7 +113,9 @@ TRAIN_PRESETS = {
                          min_lr=6e-5, precision="bf16"),
 }
 
-_RESUME_EXEMPT = ("log_interval",)  # config fields that may differ when resuming: they do not change training
+# fields that may differ when resuming, as they do not change training: how often to log, and what the model
+# recomputes in backward instead of keeping (same gradients; a state saved before the field existed lacks it)
+_RESUME_EXEMPT = {"config": ("log_interval",), "model_config": ("recompute",)}
 _STATE_KEYS = {"identity", "step", "model", "optimizer", "scaler", "rng", "data", "history"}  # state_dict()'s
 
 
@@ -323,9 +325,9 @@ class Trainer:
         for key, label in (("config", "TrainConfig"), ("model_config", "model config"),
                            ("parameters", "parameter names/shapes"), ("schedule", "LR schedule")):
             theirs, ours = saved["identity"][key], mine[key]
-            if key == "config" and isinstance(theirs, dict):
-                theirs = {k: v for k, v in theirs.items() if k not in _RESUME_EXEMPT}
-                ours = {k: v for k, v in ours.items() if k not in _RESUME_EXEMPT}
+            if key in _RESUME_EXEMPT and isinstance(theirs, dict):
+                theirs = {k: v for k, v in theirs.items() if k not in _RESUME_EXEMPT[key]}
+                ours = {k: v for k, v in ours.items() if k not in _RESUME_EXEMPT[key]}
             if theirs != ours and not isinstance(theirs, dict | type(None)):
                 raise ValueError(f"{source} holds a {label} of type {type(theirs).__name__}, not a dict")
             if theirs != ours:
