@@ -106,7 +106,7 @@ def _busy_note(spread: float, load: Load | None) -> str:
     if spread <= MAX_SPREAD:
         return ""
     where = f" ({load})" if load is not None else ""
-    return f"measured while the machine was busy{where}: ±{spread:.0%}, not conclusive"
+    return f"measured while the machine was busy{where}: ±{spread:.0%}, its size not conclusive"
 
 
 @dataclass(frozen=True)
@@ -194,6 +194,9 @@ class Comparison:
         verdict = self.direction()
         if verdict == "not conclusive":
             return f"{impl} takes {self.ratio:.2f}× the time of {peer} ({how}): not conclusive on this machine now."
+        if not self.conclusive:  # the quartiles agree on the side, but spread too wide to state by how much
+            return (f"{impl} takes {self.ratio:.2f}× the time of {peer} ({how}): {verdict} here in three rounds of "
+                    "four or more, by an amount these rounds cannot pin down.")
         return f"{impl} takes {self.ratio:.2f}× the time of {peer} ({how}): {verdict} here."
 
     def row(self) -> dict:

@@ -77,6 +77,13 @@ def test_a_ratio_whose_rounds_straddle_the_threshold_is_not_conclusive():
     assert timing.Comparison(timing.Timing((1,)), timing.Timing((1,)), (0.5, 0.6, 0.62, 0.7)).direction() == "faster"
 
 
+def test_a_side_the_rounds_agree_on_with_a_wide_spread_is_stated_without_its_size():
+    wide = timing.Comparison(timing.Timing((1,)), timing.Timing((1,)), (1.1, 1.2, 1.44, 1.9, 2.5))
+    assert wide.direction() == "slower" and not wide.conclusive
+    assert wide.says("A", "B").endswith("slower here in three rounds of four or more, by an amount these rounds "
+                                        "cannot pin down.")
+
+
 def test_rounds_are_added_until_the_spread_is_small(monkeypatch):
     clock = Clock(monkeypatch)
     steady = timing.measure(clock.takes(*[1] * 40), **rounds(min_rounds=4, max_rounds=30))
