@@ -63,6 +63,9 @@ def forward_flops(config, batch_size: int, seq_len: int | None = None) -> int:
 
 def training_step_flops(config, batch_size: int, seq_len: int | None = None, recompute: bool = False) -> int:
     """Forward + backward (2× forward) of one step; + one more forward with activation recomputation."""
+    if not isinstance(recompute, bool):  # a GPTConfig.recompute name is not this switch: "none" would count 4×
+        raise ValueError(f"recompute={recompute!r} must be True (every layer's forward run again) or False; for "
+                         "selective recompute of the attention core see llmlab.memory.planner.recompute_flops")
     return (4 if recompute else 3) * forward_flops(config, batch_size, seq_len)
 
 

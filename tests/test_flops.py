@@ -20,6 +20,9 @@ def test_hand_count_of_one_block():
     assert flops.forward_flops(cfg, B, T) == hand
     assert flops.training_step_flops(cfg, B, T) == 3 * hand
     assert flops.training_step_flops(cfg, B, T, recompute=True) == 4 * hand
+    for name in ("none", "selective", 1):  # GPTConfig.recompute's names are not this switch: refused, not counted 4×
+        with pytest.raises(ValueError, match="recompute="):
+            flops.training_step_flops(cfg, B, T, recompute=name)
 
 
 @pytest.mark.parametrize("preset,B,T", [("tiny", 2, 64), ("mini", 1, 37)])

@@ -183,6 +183,12 @@ def test_recompute_flops():
     assert planner.recompute_flops(config, B, T, "none") == planner.recompute_flops(config, B, T, False) == 0
     assert planner.recompute_flops(config, B, T, "selective") == L * 4 * B * T * T * C
     assert planner.recompute_flops(config, B, T, True) == L * (24 * B * T * C * C + 4 * B * T * T * C)
+    # a model built with recompute="selective" recomputes its core whatever the planner is told, as plan() counts it;
+    # under full checkpointing the rebuilt forward's checkpointed core runs once more in its own backward
+    selective = replace(config, recompute="selective")
+    assert planner.recompute_flops(selective, B, T) == planner.recompute_flops(selective, B, T, "selective") \
+        == L * 4 * B * T * T * C
+    assert planner.recompute_flops(selective, B, T, "full") == L * (24 * B * T * C * C + 8 * B * T * T * C)
 
 
 def test_checkpointing_keeps_one_input_per_block():

@@ -236,14 +236,13 @@ def recompute_flops(config: GPTConfig, batch_size: int, seq_len: int | None = No
                     checkpointing: bool | str = False) -> int:
     """Matmul FLOPs the recompute adds to a training step (counted by llmlab.flops.forward_matmuls): "selective"
     runs every layer's q·kᵀ and p·v again (4·B·T²·C per layer); "full" every layer's forward (24·B·T·C² +
-    4·B·T²·C; the head is not recomputed); "none" nothing. A step without recompute is 3 forwards
-    (flops.training_step_flops)."""
+    4·B·T²·C; the head is not recomputed); "none" nothing. A config with recompute="selective" recomputes its
+    core whatever `checkpointing` says: once more on top of "full", whose rebuilt forward runs the checkpointed core
+    again in its own backward. A step without recompute is 3 forwards (flops.training_step_flops)."""
     mode = checkpointing_mode(checkpointing)
-    if mode == "none":
-        return 0
-    again = [m for m in flops.forward_matmuls(config, batch_size, seq_len)
-             if m.name != "lm head" and (mode == "full" or m.name in _CORE_MATMULS)]
-    return sum(m.flops for m in again)
+    core_again = mode == "selective" or config.recompute == "selective"
+    return sum(m.flops * ((mode == "full") + (core_again and m.name in _CORE_MATMULS))
+               for m in flops.forward_matmuls(config, batch_size, seq_len) if m.name != "lm head")
 
 
 @dataclass(frozen=True)
