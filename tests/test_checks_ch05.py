@@ -1,11 +1,13 @@
 """Chapter 5's exercise checks (llmlab.checks.ch05): each passes a right answer, reports an unwritten one as not
 attempted, and fails each named mistake — the FP32 column, a forward-only step, MFU left out; Gb/s read as GB/s,
-NVLink's two directions added, the ring's 2(n−1)/n factor left out, 4-byte gradients; communication overlapped,
-TP all-reduces miscounted, links swapped, hours for days, a flat ring where each GPU has its own NIC, the hierarchical
-all-reduce where a node has one, a shared NIC priced as free — with its message and the hint."""
+NVLink's two directions added, PCIe's one direction halved, the ring's 2(n−1)/n factor left out, 4-byte gradients
+for 2 and 2 for 4; communication overlapped, TP all-reduces miscounted, links swapped, hours for days, a flat ring
+where each GPU has its own NIC, the hierarchical all-reduce where a node has one, a shared NIC priced as free, a
+one-node ring on the NIC's link — with its message and the hint; answers computed in float32 pass."""
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from check_answers import Mistake, Reference
@@ -41,6 +43,13 @@ def no_latency(n_params, dtype, n, bandwidth, unit, alpha):
     return allreduce(n_params, dtype, n, bandwidth, unit, 0.0)
 
 
+def allreduce32(n_params, dtype, n, bandwidth, unit, alpha):
+    """The right formula computed in float32 throughout (NumPy keeps float32 against Python scalars)."""
+    f = np.float32
+    return allreduce(f(n_params), dtype, n, f(bandwidth), unit, f(alpha), per_s={k: f(v) for k, v in
+                                                                                  BYTES_PER_S.items()})
+
+
 def test_a_mistake_that_fits_two_explanations_names_both():
     _, mistakes = ch05._allreduce_reference(1e9, torch.float32, 8, 900, "GB/s both directions", 0.6e-6)
     bidirectional = next(v for v, text in mistakes if "adds both directions" in text)
@@ -62,11 +71,13 @@ def test_link_quotes_are_the_vendors_figures_and_give_the_librarys_times():
 
 # --- 5.3 ----------------------------------------------------------------------------------------------------
 
-def dp_allreduce(c, grads, link, node, network=None, shared=True):
-    """The DP all-reduce as the exercise text describes it; `network` overrides the config's (a planted mistake)."""
+def dp_allreduce(c, grads, link, node, network=None, shared=True, node_on_link=False):
+    """The DP all-reduce as the exercise text describes it; `network` overrides the config's, `node_on_link` prices
+    a one-node ring on the NIC's link (planted mistakes)."""
     g, m = c.dp_per_node, c.dp // c.dp_per_node
     if m == 1:  # one node: a ring on the node's link
-        return cost.ring_allreduce_time(grads, c.dp, node.alpha, node.beta)
+        ring_link = link if node_on_link else node
+        return cost.ring_allreduce_time(grads, c.dp, ring_link.alpha, ring_link.beta)
     if (network or c.network) == "nic-per-node":
         return cost.ring_allreduce_time(grads, c.dp, link.alpha, link.beta * (c.rings_per_nic if shared else 1))
     return (cost.reduce_scatter_time(grads, g, node.alpha, node.beta) + cost.all_gather_time(grads, g, node.alpha,
@@ -75,18 +86,39 @@ def dp_allreduce(c, grads, link, node, network=None, shared=True):
 
 
 def training_time(c, overlap=False, tp_per_layer=4, per_micro_batch=True, shard_grads=True, swap=False,
-                  per_day=86_400, network=None, shared=True):
+                  per_day=86_400, network=None, shared=True, node_on_link=False):
     link, tp_link = cost.LINKS[c.link], cost.LINKS[c.tp_link]
     if swap:
         link, tp_link = tp_link, link
     compute = compute_seconds(c.n_params, c.batch_tokens, c.gpus, c.gpu, c.mfu)
     grads = c.n_params / (c.tp if shard_grads else 1) * c.bytes_per_param
-    dp = dp_allreduce(c, grads, link, tp_link, network, shared)
+    dp = dp_allreduce(c, grads, link, tp_link, network, shared, node_on_link)
     activation = c.micro_tokens * c.model.n_embd * c.bytes_per_activation
     rings = tp_per_layer * c.model.n_layer * (c.micro_batches if per_micro_batch else 1)
     tp = rings * cost.ring_allreduce_time(activation, c.tp, tp_link.alpha, tp_link.beta)
     step = max(compute, dp + tp) if overlap else compute + dp + tp
     return step, c.tokens / c.batch_tokens * step / per_day
+
+
+def training_time32(c):
+    """The right step and days computed in float32 throughout, by the exercise text's formulas."""
+    f = np.float32
+
+    def ring(nbytes, n, link):
+        return f(2 * (n - 1)) * f(link.alpha) + f(2 * (n - 1) / n) * nbytes * f(link.beta)
+
+    link, node = cost.LINKS[c.link], cost.LINKS[c.tp_link]
+    compute = f(6) * f(c.n_params) * f(c.batch_tokens) / (f(c.gpus) * f(SPECS[c.gpu].bf16_tflops) * f(1e12) * f(c.mfu))
+    grads, g, m = f(c.n_params) / f(c.tp) * f(c.bytes_per_param), c.dp_per_node, c.dp // c.dp_per_node
+    if m == 1:
+        dp = ring(grads, c.dp, node)
+    elif c.network == "nic-per-node":
+        dp = ring(grads, c.dp, link) + f(2 * (c.dp - 1) / c.dp) * grads * f(link.beta) * f(c.rings_per_nic - 1)
+    else:
+        dp = ring(grads, g, node) + ring(grads / f(g), m, link)  # reduce-scatter + all-gather = one ring's time
+    activation = f(c.micro_tokens) * f(c.model.n_embd) * f(c.bytes_per_activation)
+    step = compute + dp + f(4 * c.model.n_layer * c.micro_batches) * ring(activation, c.tp, node)
+    return step, f(c.tokens) / f(c.batch_tokens) * step / f(86_400)
 
 
 def comm_free(c):
@@ -107,6 +139,32 @@ def test_training_cases_are_compute_bound_with_no_pipeline():
     assert [(c.network, c.dp_per_node, c.rings_per_nic) for c in configs[1:4]] == [
         ("nic-per-gpu", 8, 1), ("nic-per-node", 8, 1), ("nic-per-node", 1, 8)]
     assert {c.network for c in configs} == set(cluster.NETWORKS)
+    one_node = configs[4]  # a one-node ring priced on `link` shows: link is a NIC, tp_link NVLink
+    assert one_node.dp == one_node.dp_per_node > 1 and one_node.tp > 1 and one_node.link in cost.NETWORK_LINKS
+
+
+def _margins(want, mistakes):
+    """Each named mistake's relative distance from the right answer (0 where it does not apply)."""
+    return [abs(value - want) / want if want else 0.0 for value, _ in mistakes]
+
+
+def test_no_named_mistake_is_within_float32_rounding_of_the_answer():
+    """The tolerance admits float32 (tests: the float32 references below pass); no named mistake may be that close
+    in a fixed case, or a wrong answer could pass as float32 rounding: each is either exactly the answer there (it
+    does not apply) or at least 5× the tolerance away."""
+    for n_params, dtype, n, key in ch05._allreduce_cases(random.Random(0))[:5]:
+        bandwidth, unit = ch05.link_quote(key)
+        want, mistakes = ch05._allreduce_reference(n_params, dtype, n, bandwidth, unit, cost.LINKS[key].alpha)
+        assert all(d < 1e-12 or d > 5 * ch05.REL_TOL for d in _margins(want, mistakes)), key
+    for c in ch05.training_cases(random.Random(0))[:5]:
+        t = cluster.step_time(c)
+        assert all(d < 1e-12 or d > 5 * ch05.REL_TOL for d in _margins(t.total, ch05._step_mistakes(c, t))), c
+
+
+def test_a_rejection_shows_the_digits_that_differ():
+    with pytest.raises(ch05.Mismatch, match=r"= 0.0816771 s, expected 0.0816751 s \(\+2.4e-05 relative\)"):
+        ch05._compare(0.0816771, 0.0816751, "x", [])
+    ch05._compare(float(np.float32(0.0816751)), 0.0816751, "x", [])  # float32 rounding passes
 
 
 # --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
@@ -125,6 +183,7 @@ ANSWERS = [
     Mistake(ch05.compute_seconds, lambda *a: "slow", match="got str 'slow', expected a number", hint=COMPUTE_HINT),
 
     Reference(ch05.allreduce_seconds, allreduce),
+    Reference(ch05.allreduce_seconds, allreduce32),
     Mistake(ch05.allreduce_seconds, lambda *a: allreduce(*a, per_s=BYTES_PER_S | {"Gb/s per direction": 1e9}),
             match=r"100 Gb/s is gigabits per second: divide by 8 for bytes \(100 Gb/s = 12.5 GB/s\)",
             hint=ALLREDUCE_HINT),
@@ -134,10 +193,15 @@ ANSWERS = [
             match=r"the bandwidth term is S/B: a ring all-reduce sends 2\(n−1\)/n · S", hint=ALLREDUCE_HINT),
     Mistake(ch05.allreduce_seconds, lambda *a: allreduce(*a, size=4),
             match="the gradients are torch.bfloat16: 2 bytes per element, not 4", hint=ALLREDUCE_HINT),
+    Mistake(ch05.allreduce_seconds, lambda *a: allreduce(*a, per_s=BYTES_PER_S | {"GB/s per direction": 0.5e9}),
+            match="31.5 GB/s is already one direction's bandwidth", hint=ALLREDUCE_HINT),
+    Mistake(ch05.allreduce_seconds, lambda *a: allreduce(*a, size=2),
+            match="the gradients are torch.float32: 4 bytes per element, not 2", hint=ALLREDUCE_HINT),
     Mistake(ch05.allreduce_seconds, no_latency, match=r"the latency is missing: 2\(n−1\) = 14 messages",
             hint=ALLREDUCE_HINT),
 
     Reference(ch05.training_time, training_time),
+    Reference(ch05.training_time, training_time32),
     *[Mistake(ch05.training_time, lambda c, m=mistake: training_time(c, **m), match=match, hint=TRAINING_HINT)
       for mistake, match in [
           (dict(overlap=True), r"max\(compute, communication\) assumes a perfect overlap"),
@@ -153,6 +217,7 @@ ANSWERS = [
           (dict(network="nic-per-gpu"), "that is the hierarchical all-reduce of one NIC per GPU; this config has one "
                                         "NIC per node"),
           (dict(shared=False), r"the NIC is shared: config.rings_per_nic = 8 data-parallel rings"),
+          (dict(node_on_link=True), r"all 4 dp ranks share one node of 8 GPUs: their ring runs on tp_link \(nvlink4\)"),
       ]],
     Mistake(ch05.training_time, lambda c: training_time(c)[0], match="expected a pair", hint=TRAINING_HINT),
     Mistake(ch05.training_time, comm_free, match="that is the compute alone", hint=TRAINING_HINT),
