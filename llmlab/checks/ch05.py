@@ -12,9 +12,9 @@ spec sheet's FP32 column instead of bf16 dense, 2·N instead of 6·N, MFU left o
 total of both directions used as one direction, a per-direction figure halved, the ring's 2(n−1)/n factor left out,
 the wrong bytes per gradient; communication assumed hidden behind compute, Megatron's TP all-reduces miscounted,
 the links swapped, a flat ring priced where each GPU has a NIC of its own (or the reverse), one NIC's sharing left
-out, a ring inside one node priced on the NIC's link. An answer computed in float32 passes (the tolerance is argued at REL_TOL).
-Where one wrong answer fits two mistakes (it can, e.g. fp32 gradients counted as bf16 over a quoted bidirectional
-link), both are named.
+out, a ring inside one node priced on the NIC's link. Where one wrong answer fits two mistakes (it can, e.g. fp32
+gradients counted as bf16 over a quoted bidirectional link), both are named. An answer computed in float32 passes
+(the tolerance is argued at REL_TOL).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ _ACCELERATORS = ("A100 SXM", "H100 SXM", "H100 PCIe", "H200 SXM", "B200", "MI250
 # multiplications, divisions and sums of positive terms (nothing cancels), so a float32 computation is within
 # 20 · 6e-8 ≈ 1.2e-6 of the float64 one; 1e-5 leaves an 8× margin. Every named mistake differs by far more in at
 # least one fixed case (tests/test_checks_ch05.py measures the margin): the smallest, 5.2's missing latency, is
-# 1.0e-4 of the time in the material's NVLink case and a third of it in the 1M-parameter case; 1e-15 s lets a 0 s
-# all-reduce be 0
+# 1.0e-4 of the time in the material's NVLink case and about a third of it in the 1M-parameter case; 1e-15 s lets a
+# 0 s all-reduce be 0
 REL_TOL = 1e-5
 
 
