@@ -38,6 +38,8 @@ def lr_at(step, peak_lr, warmup, total, min_lr, mistake=None, shift=1):
     start = 0 if mistake == "from zero" else warmup
     if mistake == "unguarded":
         progress = min((step - start) / span, 1.0)
+    elif mistake == "span at least 1":  # a guard against dividing by 0 that leaves progress 0 where no span is left
+        progress = min((step - start) / max(1, span), 1.0)
     elif mistake == "zero span only":
         progress = min((step - start) / span, 1.0) if span != 0 else 1.0
     else:
@@ -59,6 +61,9 @@ LR_MISTAKES = {  # mistake: (what the message says, a word of the hint)
                  "), 1)"),
     "unguarded": (r"warmup=9, total=10.*divided by zero: with warmup = total − 1 no update is left to decay over",
                   "1 when total − 1 − warmup ≤ 0"),
+    "span at least 1": (r"warmup=9, total=10.* = 0.001, expected 0.0001 \(relative difference 0.9\): with warmup = "
+                        r"total − 1 no update is left .* max\(1, total − 1 − warmup\) makes progress 0",
+                        "1 when total − 1 − warmup ≤ 0"),
     "zero span only": (r"warmup=20, total=20.*this run is all warmup \(warmup = total\), so total − 1 − warmup is "
                        "negative", "1 when total − 1 − warmup ≤ 0"),
 }
@@ -77,6 +82,17 @@ def hugging_face(step, peak_lr, warmup, total, min_lr):
 
 def mixed(step, peak_lr, warmup, total, min_lr):  # LR 0 at update 0, then llmlab's ramp: not one line
     return 0.0 if step == 0 < warmup else lr_at(step, peak_lr, warmup, total, min_lr)
+
+
+def float32(step, peak_lr, warmup, total, min_lr):
+    """The definition computed in float32 throughout (torch tensors): right, within float32's rounding."""
+    lr = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    peak, floor = lr(peak_lr), lr(min_lr)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    span = total - 1 - warmup
+    progress = lr(min((step - warmup) / span, 1.0) if span > 0 else 1.0)
+    return floor + (peak - floor) * 0.5 * (1 + torch.cos(math.pi * progress))
 
 
 def ramp_first(step, peak_lr, warmup, total, min_lr):
@@ -182,11 +198,13 @@ ANSWERS = [
     Reference(ch06.lr_at, lambda *args: lr_at(*args, shift=0)),  # LR 0 at update 0, then the same line
     Reference(ch06.lr_at, material),  # the material's own warmup, then llmlab's decay
     Reference(ch06.lr_at, hugging_face),
+    Reference(ch06.lr_at, float32),
     *[Mistake(ch06.lr_at, lambda *args, m=mistake, s=shift: lr_at(*args, mistake=m, shift=s), match=match, hint=hint)
       for mistake, (match, hint) in LR_MISTAKES.items()
       for shift in ((1,) if mistake == "ramp too long" else (1, 0))],  # the same slips on either ramp (from 0, a
     # ramp one update longer ends at peak_lr·warmup/warmup, which is right unless no decay span is left)
-    Mistake(ch06.lr_at, mixed, match=r"lr_at\(step=1, .* = 0.0002, expected 0.0001: update 0 had LR 0, .* keep to one",
+    Mistake(ch06.lr_at, mixed, match=r"lr_at\(step=1, .* = 0.0002, expected 0.0001 \(relative difference 0.1\): "
+                                     r"update 0 had LR 0, .* keep to one",
             hint="(step + 1)/warmup"),
     Mistake(ch06.lr_at, ramp_first, match="warmup=0 means no warmup", hint="(step + 1)/warmup"),
     Mistake(ch06.lr_at, lambda *args: "high", match=r"returned 'high'; expected a number", hint="cos(π·progress)"),
@@ -209,3 +227,24 @@ ANSWERS = [
 @pytest.mark.parametrize("check", [ch06.lr_at, ch06.clip_grad_norm, ch06.scaled_step])
 def test_an_unwritten_answer_is_not_attempted(check, capsys):
     not_attempted(check, unwritten, capsys=capsys)
+
+
+def test_every_lr_mistake_differs_by_far_more_than_the_float32_tolerance():
+    """The tolerance accepts float32 answers (ch06._LR_TOL); each planted slip must still be seen: where it changes
+    a run at all, its largest difference over the run, relative to peak_lr, is ≥ 50× the tolerance, in every case
+    of 200 draws of the check's."""
+    import random
+
+    for seed in range(200):
+        for peak, warmup, total, floor in ch06._lr_cases(random.Random(seed)):
+            for mistake in LR_MISTAKES.keys() - {"unguarded", "zero span only"}:  # these raise, or differ by ~peak
+                for shift in (1, 0):
+                    gap = max(abs(lr_at(s, peak, warmup, total, floor, mistake=mistake, shift=shift)
+                                  - lr_at(s, peak, warmup, total, floor, shift=shift)) for s in range(total + 3))
+                    if gap > 1e-12 * peak:  # else this run does not show the slip (no decay to show a floor, ...)
+                        assert gap >= 50 * ch06._LR_TOL * peak, (mistake, shift, peak, warmup, total, floor, gap)
+
+
+def test_a_float32_answer_passes(capsys):
+    ch06.lr_at(float32)
+    assert "passed" in capsys.readouterr().out

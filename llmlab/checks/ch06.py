@@ -13,7 +13,9 @@ and three updates past the end. Either start of the linear ramp is accepted, con
 src/transformers/optimization.py). It names a ramp that runs one update too long (above peak_lr at update warmup) or
 divides by total instead of warmup, a cosine started at update 0 instead of at the end of warmup, a decay to 0
 instead of min_lr, a decay one update too long (the last update above min_lr), an LR rising again after the end, and
-a division by zero or a negative span in the edge cases.
+a division by zero, a negative span or a span guarded with max(1, ·) (progress 0, not 1, where no update is left to
+decay over) in the edge cases. An answer in float32 passes (the tolerance, 1e-6 of the LR or of peak_lr, is
+justified at `_LR_TOL`); a rejection prints the relative difference.
 
 **6.2** compares with `torch.nn.utils.clip_grad_norm_` on float32 parameter lists of odd shapes (0-d included),
 clipped and under the max, with some `.grad` None, with none at all, and passed as a generator (as
@@ -71,6 +73,17 @@ def _lr_cases(rng: random.Random) -> list[tuple[float, int, int, float]]:
     return cases
 
 
+# An answer computed in float32 (a torch.tensor, a NumPy float32) is right: float32's eps is 2⁻²³ ≈ 1.19e-7, and the
+# formula takes about six rounded operations (a division, π·progress, cos, 1 + cos, a product, a sum), each off by
+# ≤ eps/2 of a term no larger than peak_lr, so ≤ 3.6e-7·peak_lr in all; 1e-6 (of the LR, or of peak_lr near a
+# min_lr of 0, where 1 + cos cancels) is ~3× that. Every planted mistake differs by far more at some update of the
+# cases below: ≥ 1/40 of peak_lr on the ramp, min_lr ≥ 0.01·peak_lr for a decay to 0, peak_lr − min_lr where no
+# decay span is left, ≥ 1e-3·peak_lr mid-decay for a decay one update too long and ≥ 1e-4·peak_lr three updates
+# past the end for an LR rising again (spans < 300 updates); tests/test_checks_ch06.py measures each mistake's
+# largest difference against this tolerance.
+_LR_TOL = 1e-6
+
+
 def _cosine(peak: float, floor: float, progress: float) -> float:
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
@@ -93,6 +106,10 @@ def _lr_mistakes():
          "0 at update warmup (LR = peak_lr) and 1 at the last update, total − 1"),
         (lambda s, p, w, t, m: warmup_cosine_lr(s, p, w, t, 0.0) if w <= s else None,
          "the LR decays to 0, not to min_lr: lr = min_lr + (peak_lr − min_lr)·½(1 + cos(π·progress))"),
+        (lambda s, p, w, t, m: p if s == w == t - 1 else None,  # before the next: (s − w)/(t − w) is 0 here too
+         "with warmup = total − 1 no update is left to decay over (total − 1 − warmup = 0), and the definition sets "
+         "progress = 1 then, so update warmup — the last — is at min_lr; a guard such as max(1, total − 1 − "
+         "warmup) makes progress 0 instead (LR peak_lr): test span ≤ 0 and set progress = 1"),
         (lambda s, p, w, t, m: _cosine(p, m, min((s - w) / (t - w), 1.0)) if w <= s < t else None,
          "the decay is one update too long, so the last update (total − 1) ends above min_lr: it spans updates "
          "warmup … total − 1, so divide by total − 1 − warmup"),
@@ -128,7 +145,7 @@ def lr_at(fn):
 
     mistakes = _lr_mistakes()
     for peak, warmup, total, floor in _lr_cases(fresh_rng()):
-        tol = dict(rel_tol=1e-9, abs_tol=1e-12 * peak)  # float64: another arrangement differs by a few ulp of peak
+        tol = dict(rel_tol=_LR_TOL, abs_tol=_LR_TOL * peak)
         from_zero = False  # which start of the ramp this answer uses: decided at update 0, then held to it
         for step in range(total + 3):  # every update of the run, and three after it (at min_lr)
             what = f"lr_at(step={step}, peak_lr={peak:.4g}, warmup={warmup}, total={total}, min_lr={floor:.4g})"
@@ -142,7 +159,8 @@ def lr_at(fn):
             known = next((text for mistake, text in mistakes
                           if (value := mistake(step, peak, warmup, total, floor)) is not None
                           and math.isclose(got, value, **tol)), None)
-            raise Mismatch(f"{what} = {got:.6g}, expected {want:.6g}" + (f": {known}" if known else ""))
+            raise Mismatch(f"{what} = {got:.6g}, expected {want:.6g} (relative difference "
+                           f"{abs(got - want) / max(abs(want), peak):.2g})" + (f": {known}" if known else ""))
 
 
 # --- 6.2: clipping by the global norm -------------------------------------------------------------------------

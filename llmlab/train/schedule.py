@@ -53,6 +53,8 @@ def _check(base_lr: float, total_steps: int, warmup: int, min_lr: float) -> None
 def warmup_cosine_lr(step: int, base_lr: float, warmup: int, total_steps: int, min_lr: float = 0.0) -> float:
     """The LR of update `step` (0-based): linear warmup to `base_lr` over updates 0..warmup-1, then half a
     cosine from `base_lr` (update `warmup`) down to `min_lr` (update total_steps-1, the last); `min_lr` after.
+    Where no update is left to decay over (warmup >= total_steps - 1) progress is 1: the updates from `warmup` on
+    are at `min_lr` (with warmup = total_steps - 1, update `warmup` is the last, and the last is at `min_lr`).
 
     Warmup uses (step + 1) / warmup, so update 0 already moves the weights (see the module docstring).
     """
