@@ -438,21 +438,39 @@ class MemoryHistory:
     Usage"): {"segments": [...], "device_traces": [[entry, ...] per device]}, each entry a dict with "action"
     ("alloc", "free_requested", "free_completed", "segment_alloc", "oom", ...), "addr", "size" (bytes) and
     "frames". `trace` is the recorded device's entries; `timeline()` the bytes allocated since the block began
-    after each entry; `path` the pickle written for https://pytorch.org/memory_viz (None: none asked for)."""
+    after each entry; `path` the pickle written for https://pytorch.org/memory_viz (None: none asked for).
+
+    A history is *truncated* when the block had more events than `max_entries`: only the last ones are kept, so the
+    level before the first kept entry is unknown, and `timeline()` and `peak` refuse to guess (raise ValueError);
+    the entries themselves (`trace`, the snapshot file) are still what happened last."""
 
     device: str
     source: str  # what recorded the events
     snapshot: dict = field(default_factory=lambda: {"segments": [], "device_traces": [[]]})
     index: int = 0  # the recorded device's list in snapshot["device_traces"]
     path: Path | None = None
+    max_entries: int = 100_000
+    # the events left out (CPU: counted), or None where the recorder does not say how many (CUDA: its ring buffer
+    # keeps the last max_entries, so a full buffer may have dropped some); 0: complete
+    dropped: int | None = 0
 
     @property
     def trace(self) -> list[dict]:
         return self.snapshot["device_traces"][self.index]
 
+    @property
+    def truncated(self) -> bool:
+        return self.dropped != 0
+
     def timeline(self) -> list[int]:
         """Bytes allocated since the block began, after each entry of `trace`: + an allocation's size, − a
-        completed free's (a block allocated before the block began and freed in it counts −)."""
+        completed free's (a block allocated before the block began and freed in it counts −). Refused (ValueError)
+        for a truncated history: the level before its first kept entry is unknown."""
+        if self.truncated:
+            lost = "some" if self.dropped is None else f"{self.dropped}"
+            raise ValueError(f"the history is truncated: it kept the last {len(self.trace)} events (max_entries="
+                             f"{self.max_entries}) and lost {lost} before them, so the bytes allocated since the "
+                             "block began are unknown; record again with a larger max_entries")
         level, out = 0, []
         for e in self.trace:
             level += {"alloc": e["size"], "free_completed": -e["size"]}.get(e["action"], 0)
@@ -461,7 +479,8 @@ class MemoryHistory:
 
     @property
     def peak(self) -> int:
-        """The most bytes allocated at once above the level the block began at (0 if it never rose)."""
+        """The most bytes allocated at once above the level the block began at (0 if it never rose); refused for a
+        truncated history, as `timeline()`."""
         return max([0, *self.timeline()])
 
 
@@ -492,6 +511,23 @@ def _cpu_trace(profile) -> list[dict]:
     return trace
 
 
+_RECORDING: list[str] = []  # the device of the memory_history block running in this process, if one is
+
+
+def _snapshot_path(path) -> Path | None:
+    """`path` as a Path whose directory exists, checked before the block runs (a bad one would fail at its end)."""
+    if path is None:
+        return None
+    if not isinstance(path, str | os.PathLike):
+        raise ValueError(f"path={path!r} must be a file name (str or os.PathLike) for the snapshot, or None")
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"path={str(path)!r} is a directory: give the snapshot file's name")
+    if not path.parent.is_dir():
+        raise ValueError(f"path={str(path)!r}: its directory {str(path.parent)!r} does not exist")
+    return path
+
+
 @contextlib.contextmanager
 def memory_history(device=None, *, path: str | Path | None = None, max_entries: int = 100_000):
     """Record every allocation and free on `device` (default: this tier's) while the block runs; yields a
@@ -502,38 +538,61 @@ def memory_history(device=None, *, path: str | Path | None = None, max_entries: 
     `torch.cuda.memory._dump_snapshot(path)`, then recording off (PyTorch docs, "Understanding CUDA Memory
     Usage"). On a CPU, which has no caching allocator to ask: `torch.profiler` with `profile_memory=True` sees
     every allocation and free of the CPU allocator (address, bytes, time, the op it happened in), written here as
-    trace entries of the same shape, with no segments (a CPU allocator caches none)."""
+    trace entries of the same shape, with no segments (a CPU allocator caches none).
+
+    One block at a time: nesting is refused (on CUDA the inner block's end would switch recording off for the
+    outer one; on a CPU one profiler cannot run inside another), and so is a block inside a running
+    `torch.profiler.profile` on a CPU (it would take that profiler's place and leave it empty). A block with more
+    events than `max_entries` keeps the last ones and says it is truncated (`MemoryHistory.truncated`)."""
     import torch  # torch loads in seconds: `import llmlab` stays light
 
-    d = _resolve(device)
-    if not (isinstance(max_entries, int) and max_entries > 0):
+    if isinstance(max_entries, bool) or not (isinstance(max_entries, int) and max_entries > 0):
         raise ValueError(f"max_entries={max_entries!r} must be an int > 0")
-    path = Path(path) if path is not None else None
-    if d.type == "cuda":
-        index = d.index if d.index is not None else torch.cuda.current_device()
-        history = MemoryHistory(str(d), "CUDA caching allocator (torch.cuda.memory._record_memory_history)",
-                                index=index, path=path)
-        # Python frames only: C++ frames ("all", the default) are symbolised at _snapshot(), 461 s against 4 s for
-        # one dump of a 16B model (torchtitan pull request 3628)
-        torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
-        try:
-            yield history
-        finally:
-            synchronize(d)
-            history.snapshot = torch.cuda.memory._snapshot()
-            if path is not None:
-                torch.cuda.memory._dump_snapshot(str(path))
-            torch.cuda.memory._record_memory_history(enabled=None)
-        return
-    # Kineto prints "profiler_start"/"profiler_stop" lines unless told otherwise before its first use in the
-    # process (llmlab.monitor does the same; the user's setting wins)
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    history = MemoryHistory(str(d), "CPU allocator seen by torch.profiler (profile_memory=True)", path=path)
-    profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    d = _resolve(device)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA is not available here (torch.cuda.is_available() is False)")
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: memory history is recorded on 'cpu' or 'cuda'")
+    path = _snapshot_path(path)
+    if _RECORDING:
+        raise RuntimeError(f"memory_history is already recording ({_RECORDING[0]}): blocks cannot nest (the inner "
+                           "one would stop or empty the outer one's record); record one block at a time")
+    if d.type == "cpu" and torch.autograd.profiler._is_profiler_enabled:
+        raise RuntimeError("memory_history on a CPU runs torch.profiler, and a profiler is already running: it would "
+                           "take that profiler's place and leave it empty; record outside the other profiler")
+    _RECORDING.append(str(d))
     try:
-        with profile:
-            yield history
+        if d.type == "cuda":
+            index = d.index if d.index is not None else torch.cuda.current_device()
+            history = MemoryHistory(str(d), "CUDA caching allocator (torch.cuda.memory._record_memory_history)",
+                                    index=index, path=path, max_entries=max_entries)
+            # Python frames only: C++ frames ("all", the default) are symbolised at _snapshot(), 461 s against 4 s
+            # for one dump of a 16B model (torchtitan pull request 3628)
+            torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
+            try:
+                yield history
+            finally:
+                synchronize(d)
+                history.snapshot = torch.cuda.memory._snapshot()
+                history.dropped = None if len(history.trace) >= max_entries else 0  # a full ring may have dropped
+                if path is not None:
+                    torch.cuda.memory._dump_snapshot(str(path))
+                torch.cuda.memory._record_memory_history(enabled=None)
+            return
+        # Kineto prints "profiler_start"/"profiler_stop" lines unless told otherwise before its first use in the
+        # process (llmlab.monitor does the same; the user's setting wins)
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+        history = MemoryHistory(str(d), "CPU allocator seen by torch.profiler (profile_memory=True)", path=path,
+                                max_entries=max_entries)
+        profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+        try:
+            with profile:
+                yield history
+        finally:
+            trace = _cpu_trace(profile)
+            history.dropped = max(0, len(trace) - max_entries)
+            history.snapshot = {"segments": [], "device_traces": [trace[-max_entries:]]}
+            if path is not None:
+                path.write_bytes(pickle.dumps(history.snapshot))
     finally:
-        history.snapshot = {"segments": [], "device_traces": [_cpu_trace(profile)[-max_entries:]]}
-        if path is not None:
-            path.write_bytes(pickle.dumps(history.snapshot))
+        _RECORDING.clear()

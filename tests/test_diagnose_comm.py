@@ -45,6 +45,16 @@ def test_find_straggler_from_step_times_and_pairs():
     assert "no straggler" in str(comm.find_straggler([0.100, 0.103]))
 
 
+def test_no_straggler_names_the_condition_that_failed():
+    """+14% over a 12.9 ms median is over the 10% threshold: what keeps the rank unnamed is the 2 ms floor."""
+    floor = str(comm.find_straggler([0.0129, 0.0147, 0.0129]))
+    assert "under the 2.0 ms floor (min_seconds)" in floor and "threshold" not in floor
+    relative = str(comm.find_straggler([0.100, 0.103, 0.101]))  # +2 ms, 2%: under the threshold, over the floor
+    assert "under the threshold (+10%)" in relative and "floor" not in relative
+    both = str(comm.find_straggler([0.0100, 0.0105, 0.0100]))
+    assert "under the threshold (+10%) and the 2.0 ms floor" in both
+
+
 def test_a_straggler_is_named_only_beyond_the_noise():
     def rank(r, *steps):
         return comm.RankTiming(r, sorted(steps)[len(steps) // 2], 0.01, steps)

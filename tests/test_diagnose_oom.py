@@ -59,13 +59,31 @@ def test_diagnose_quiet_when_it_fits():
     assert report.fits and report.over_bytes < 0 and all(r.fits for r in report.remedies)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [False, "none", "selective", True, "full"])
 def test_measured_step_equals_plan(one_thread, checkpointing):
+    """Each of the planner's checkpointing modes, measured as the planner counts it: "selective" runs the model's
+    own recompute of the attention core (GPTConfig(recompute="selective")), "full" checkpoints every block."""
     config = GPTConfig.preset("tiny")
     m = oom.measure_config(config, 4, checkpointing=checkpointing)
     assert m.ok
     plan = planner.plan(config, 4, checkpointing=checkpointing, **FP32)
     assert m.total - oom.forward_bytes(plan) == STEP_COUNTERS  # exact, but for the counters
+    snap, _ = oom.snapshot_step(config, 4, checkpointing=checkpointing)
+    assert snap.total == m.total
+
+
+def test_the_modes_differ_and_bad_modes_are_refused(one_thread):
+    config = GPTConfig.preset("tiny")
+    held = {mode: oom.measure_config(config, 4, checkpointing=mode).activation_bytes
+            for mode in ("none", "selective", "full")}
+    assert held["full"] < held["selective"] < held["none"]
+    for bad in (1, "bogus", None):
+        with pytest.raises(ValueError, match="checkpointing"):
+            oom.measure_config(config, 4, checkpointing=bad)
+    model = GPT(config)  # built without recompute="selective": measure_step cannot switch it on
+    x = torch.zeros(2, config.block_size, dtype=torch.long)  # (B, T)
+    with pytest.raises(ValueError, match="checkpointing.*recompute"):
+        oom.measure_step(model, torch.optim.AdamW(model.parameters()), x, x, checkpointing="selective")
 
 
 def test_flash_step_equals_plan(one_thread):
@@ -148,6 +166,32 @@ def test_bad_arguments():
             pass
     with pytest.raises(ValueError, match="model"):
         oom.measure_step(torch.nn.Linear(2, 2), None, None, None)
+    tiny = GPTConfig.preset("tiny")
+    for kwargs, name in ((dict(batch_size=0), "batch_size"), (dict(batch_size=True), "batch_size"),
+                         (dict(seed=-1), "seed"), (dict(seed=1.5), "seed"), (dict(device="meta"), "device")):
+        with pytest.raises(ValueError, match=name):
+            oom.measure_config(**{"config": tiny, "batch_size": 2, **kwargs})
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda'"):
+            oom.measure_config(tiny, 2, device="cuda")
+    for stages in ((), 3, "12"):
+        with pytest.raises(ValueError, match="stages"):
+            oom.measure_zero_config(tiny, 2, stages=stages)
+
+
+def test_remedies_that_save_nothing_are_left_out():
+    """Checkpointing one block keeps its input and rebuilds it: it saves nothing, so it is no remedy."""
+    one = GPTConfig.preset("tiny", n_layer=1)
+    ranked = oom.remedies(one, 4, 1e6, **FP32)
+    assert ranked and all(r.saving > 0 for r in ranked) and "gradient checkpointing" not in {r.name for r in ranked}
+
+
+def test_budget_messages_in_readable_units():
+    with pytest.raises(oom.MemoryBudgetExceeded, match="Tried to allocate 1.95 KiB; 0 bytes already in use of a "
+                                                       "budget of 1000 bytes"):
+        with oom.enforced_budget(1e3, 2000):
+            pass
+    assert oom.binary_size(80 * 2**30) == "80.00 GiB" and oom.binary_size(10.17 * 2**20) == "10.17 MiB"
 
 
 @pytest.mark.gpu

@@ -202,9 +202,58 @@ def test_memory_history_is_filled_in_when_the_block_raises():
             torch.empty(4096, dtype=torch.uint8)  # allocated and freed at once
             raise RuntimeError("planted")
     assert history.timeline() == [4096, 4096, 0] and history.peak == 4096
-    with pytest.raises(ValueError, match="max_entries"):
-        with runtime.memory_history("cpu", max_entries=0):
-            pass
+    for bad in (0, True):
+        with pytest.raises(ValueError, match="max_entries"):
+            with runtime.memory_history("cpu", max_entries=bad):
+                pass
+
+
+def test_memory_history_refuses_nesting_and_a_running_profiler():
+    """The inner block would empty the outer one's record (CPU) or switch its recording off (CUDA)."""
+    with runtime.memory_history("cpu") as outer:
+        kept = torch.empty(4096, dtype=torch.uint8)
+        with pytest.raises(RuntimeError, match="cannot nest"):
+            with runtime.memory_history("cpu"):
+                pass
+    assert outer.peak == 4096 and kept.numel() == 4096  # the outer record is intact
+    with torch.profiler.profile() as theirs:
+        torch.ones(10).sum()
+        with pytest.raises(RuntimeError, match="profiler is already running"):
+            with runtime.memory_history("cpu"):
+                pass
+    assert any(e.key == "aten::sum" for e in theirs.key_averages())  # the user's profile kept its events
+    with runtime.memory_history("cpu") as after:  # and recording works again
+        torch.empty(8, dtype=torch.uint8)
+    assert after.peak == 8
+
+
+def test_memory_history_checks_its_path_on_entry(tmp_path):
+    ran = []
+    with pytest.raises(ValueError, match="path=.*does not exist"):
+        with runtime.memory_history("cpu", path=tmp_path / "missing" / "snap.pickle"):
+            ran.append(True)
+    assert not ran  # refused before the block ran, not at its end in place of the block's own error
+    for bad, match in ((5, "path=5"), (tmp_path, "is a directory")):
+        with pytest.raises(ValueError, match=match):
+            with runtime.memory_history("cpu", path=bad):
+                pass
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda'"):
+            with runtime.memory_history("cuda"):
+                pass
+
+
+def test_a_truncated_memory_history_says_so():
+    with runtime.memory_history("cpu", max_entries=2) as history:
+        a = torch.empty(1000, dtype=torch.uint8)
+        b = torch.empty(2000, dtype=torch.uint8)
+        del a
+    assert history.truncated and history.dropped == 2 and len(history.trace) == 2 and b.numel() == 2000
+    with pytest.raises(ValueError, match="truncated.*max_entries"):
+        history.peak
+    with runtime.memory_history("cpu", max_entries=4) as whole:
+        torch.empty(1000, dtype=torch.uint8)
+    assert not whole.truncated and whole.peak == 1000
 
 
 @pytest.mark.gpu

@@ -263,6 +263,7 @@ class Straggler:
     threshold: float
     noise: float | None = None  # work_spread of the reference run (seconds), when one was given
     conclusive: bool = True  # False: over the threshold, but not beyond the noise
+    min_seconds: float = 2e-3  # the least excess named (find_straggler's min_seconds)
 
     def __str__(self) -> str:
         s, rel = self.slowest, self.slow_by / self.baseline if self.baseline > 0 else float("inf")
@@ -270,8 +271,11 @@ class Straggler:
         if self.rank is None:  # no rank is named by noise, not even as "the slowest"
             over = (f"the slowest rank's work is {_ms(self.slow_by)} (+{rel:.0%}) above the others' median "
                     f"{_ms(self.baseline)}")
-            if self.conclusive:
-                return f"no straggler: {over}, under the threshold (+{self.threshold:.0%})"
+            if self.conclusive:  # under the relative threshold, the absolute floor, or both: name the ones it failed
+                under = ([f"the threshold (+{self.threshold:.0%})"] if self.slow_by <= self.threshold * self.baseline
+                         else []) + ([f"the {_ms(self.min_seconds)} floor (min_seconds)"]
+                                     if self.slow_by <= self.min_seconds else [])
+                return f"no straggler: {over}, under " + " and ".join(under)
             return (f"not conclusive: {over}, over the threshold (+{self.threshold:.0%}) but within "
                     + (f"{noise} or " if noise else "") + "its own steps' spread")
         text = (f"rank {s} is the straggler: {_ms(self.compute[s])} of work per step vs {_ms(self.baseline)} on the "
@@ -342,4 +346,4 @@ def find_straggler(timings, threshold: float = 0.1, min_seconds: float = 2e-3, r
     apart = _quartiles(steps[slowest])[0] > max(_quartiles(s)[1] for i, s in enumerate(steps) if i != slowest)
     beyond = apart and (noise is None or slow_by > noise)
     return Straggler(slowest if over and beyond else None, slowest, slow_by, baseline, compute, wait, threshold, noise,
-                     not over or beyond)
+                     not over or beyond, min_seconds)

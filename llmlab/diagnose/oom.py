@@ -45,17 +45,30 @@ from llmlab.memory import checkpoint, measure, planner, zero
 from llmlab.model import GPT, GPTConfig
 
 __all__ = ["MemoryBudgetExceeded", "COSTS", "Remedy", "OOMReport", "offloaded", "remedies", "diagnose",
-           "forward_bytes", "enforced_budget", "StepMemory", "measure_step", "measure_config", "measure_remedies",
+           "forward_bytes", "binary_size", "enforced_budget", "StepMemory", "measure_step", "measure_config", "measure_remedies",
            "measure_zero_config", "snapshot_step"]
 
 # What a remedy costs, cheapest first: `remedies` ranks by this, then by the FLOPs a recompute adds, then by saving.
+# The order between these classes is a convention (what a remedy changes: nothing, the messages, the work, the
+# training), not an estimate of time: whether ZeRO-3's extra all-gathers or offload's PCIe traffic and CPU Adam step
+# cost more than a recompute's few percent of FLOPs depends on the links, the CPU and the overlap (Ren et al. 2021
+# discuss the CPU step as offload's bottleneck). Within "compute", the FLOPs a recompute adds do order the remedies.
 COSTS = (
     "nothing",  # the same computation, in less memory
     "communication, same volume",  # ZeRO-1/2: reduce-scatter + all-gather, 2Ψ as DP's all-reduce (ZeRO paper §7)
-    "communication, more",  # ZeRO-3: 3Ψ; offload: gradients and parameters over PCIe every step
+    "communication, more",  # ZeRO-3: 3Ψ; offload: gradients and parameters over PCIe, the Adam step on the CPU
     "compute",  # recomputed forwards, or more and smaller passes
     "the training itself",  # fewer samples per update, or another model
 )
+
+
+def binary_size(nbytes: float) -> str:
+    """`nbytes` in the binary unit that reads best (bytes, KiB, MiB, GiB: 2¹⁰, 2²⁰, 2³⁰ bytes), as torch's CUDA
+    out-of-memory message and nvidia-smi write memory: '512 bytes', '10.17 MiB', '76.10 GiB'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.0f} bytes"
 
 
 class MemoryBudgetExceeded(RuntimeError):
@@ -63,8 +76,8 @@ class MemoryBudgetExceeded(RuntimeError):
 
     def __init__(self, requested: int, in_use: int, budget: float):
         self.requested, self.in_use, self.budget = requested, in_use, budget
-        super().__init__(f"Out of memory (enforced budget). Tried to allocate {requested / 2**20:.2f} MiB; "
-                         f"{in_use / 2**20:.2f} MiB already in use of a budget of {budget / 2**20:.2f} MiB")
+        super().__init__(f"Out of memory (enforced budget). Tried to allocate {binary_size(requested)}; "
+                         f"{binary_size(in_use)} already in use of a budget of {binary_size(budget)}")
 
     def __reduce__(self):  # pickled by its fields, so a rank's error reaches the caller (dist.spawn) intact
         return type(self), (self.requested, self.in_use, self.budget)
@@ -105,12 +118,12 @@ class OOMReport:
         return self.plan.total - self.budget_bytes
 
     def summary(self) -> str:
-        gb = 1e9 if self.budget_bytes >= 1e9 else 1e6
-        unit = "GB" if gb == 1e9 else "MB"
-        head = (f"planned {self.plan.total / gb:.3g} {unit} of a {self.budget_bytes / gb:.3g} {unit} budget: "
-                + ("fits" if self.fits else f"OOM, {self.over_bytes / gb:.3g} {unit} over"))
-        lines = [head] + [f"  {'fits' if r.fits else 'OOM '}  saves {r.saving / gb:8.3g} {unit} → "
-                          f"{r.plan.total / gb:8.3g} {unit}  {r.name}: {r.change}  [costs {r.cost}]"
+        """The verdict and the ranked remedies, in binary units (as `MemoryBudgetExceeded` and nvidia-smi)."""
+        scale, unit = (2**30, "GiB") if self.budget_bytes >= 2**30 else (2**20, "MiB")
+        head = (f"planned {self.plan.total / scale:.3g} {unit} of a {self.budget_bytes / scale:.3g} {unit} budget: "
+                + ("fits" if self.fits else f"OOM, {self.over_bytes / scale:.3g} {unit} over"))
+        lines = [head] + [f"  {'fits' if r.fits else 'OOM '}  saves {r.saving / scale:8.3g} {unit} → "
+                          f"{r.plan.total / scale:8.3g} {unit}  {r.name}: {r.change}  [costs {r.cost}]"
                           for r in self.remedies]
         return "\n".join(lines)
 
@@ -139,6 +152,9 @@ def remedies(config: GPTConfig, batch_size: int, budget_bytes: float, *, zero_ra
       steps' passes — memory of the small batch, optimisation of the large one);
     - smaller batch: half the micro-batch (fewer samples per step);
     - smaller model: half the blocks.
+
+    A remedy whose plan saves nothing here (its saving ≤ 0 bytes: checkpointing a single block keeps its input
+    *and* rebuilds the block) is left out. The order between `COSTS` classes is a convention, not a time estimate.
     """
     validation.positive("budget_bytes", budget_bytes, hint="(bytes)")
     validation.integer("zero_ranks", zero_ranks, low=2, hint="(ZeRO shards over data ranks)")
@@ -194,8 +210,9 @@ def remedies(config: GPTConfig, batch_size: int, budget_bytes: float, *, zero_ra
                     **changed}
             p = planner.plan(step["config"], step["batch_size"], **{**plan_kwargs, **{
                 k: step[k] for k in ("checkpointing", "stage", "data")}})
-        out.append(Remedy(name, change, cost, price, p, base.total - p.total, p.fits(budget_bytes), step,
-                          added[0] if added else 0.0))
+        if base.total - p.total > 0:  # a remedy that saves nothing here is no remedy
+            out.append(Remedy(name, change, cost, price, p, base.total - p.total, p.fits(budget_bytes), step,
+                              added[0] if added else 0.0))
     return sorted(out, key=lambda r: (COSTS.index(r.cost), r.extra_flops, -r.saving))
 
 
@@ -324,17 +341,25 @@ def _step_under_budget(forward, step, state: int, x: torch.Tensor, y: torch.Tens
 
 
 def measure_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-                 budget_bytes: float | None = None, *, checkpointing: bool = False) -> StepMemory:
+                 budget_bytes: float | None = None, *, checkpointing: bool | str = False) -> StepMemory:
     """One training step of llmlab's GPT `model` on (x, y) (B, T) under a memory budget; an OOM is caught and
     returned in `.error` (MemoryBudgetExceeded on CPU, torch.cuda.OutOfMemoryError on CUDA), not raised.
-    Run it on a step after the first, so the optimizer's state and the gradients are resident."""
+    Run it on a step after the first, so the optimizer's state and the gradients are resident.
+
+    `checkpointing` as the planner takes it (`planner.checkpointing_mode`): False / "none", True / "full" (every
+    block checkpointed), or "selective" — the attention core recomputed, which is the model's own option: the model
+    must have been built with `GPTConfig(recompute="selective")` (`measure_config` builds it so)."""
     if not isinstance(model, GPT):
         raise ValueError(f"model must be a llmlab.model.GPT, got {type(model).__name__}")
     _check_budget(budget_bytes)
+    mode = planner.checkpointing_mode(checkpointing)
+    if mode == "selective" and model.config.recompute != "selective":
+        raise ValueError(f"checkpointing={checkpointing!r}: selective recompute is the model's own option; build it "
+                         'with GPTConfig(recompute="selective") (measure_config does)')
     state = measure.model_state_bytes(model, optimizer).total
     optimizer.zero_grad(set_to_none=False)  # the gradients stay resident, as the planner counts them
     return _step_under_budget(model, optimizer.step, state, x, y, budget_bytes,
-                              model.transformer.h if checkpointing else [])
+                              model.transformer.h if mode == "full" else [])
 
 
 def _batch(config: GPTConfig, batch_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -342,34 +367,64 @@ def _batch(config: GPTConfig, batch_size: int, device) -> tuple[torch.Tensor, to
     return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()  # (B, T) each: the targets are the next tokens
 
 
-def _after_one_step(config: GPTConfig, batch_size: int, device, seed: int):
-    """`config`'s GPT with fp32 AdamW on `device` after one unbudgeted step (AdamW's moments exist), and its batch."""
+def _device(device) -> torch.device:
+    """`device` as a torch.device, refused with a clear error where this build of torch cannot use it."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a torch device ({e})") from None
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: the memory is measured on 'cpu' or 'cuda'")
+    if d.type == "cuda":
+        try:
+            runtime.device_properties(d)  # torch raises AssertionError on a CPU build, RuntimeError without a GPU
+        except (AssertionError, RuntimeError) as e:
+            raise ValueError(f"device={device!r}: CUDA is not usable here ({e}); use device='cpu' or "
+                             "runtime.device()") from None
+    return d
+
+
+def _after_one_step(config: GPTConfig, batch_size: int, device, seed: int, checkpointing) -> tuple:
+    """`config`'s GPT with fp32 AdamW on `device` after one unbudgeted step (AdamW's moments exist), its batch and
+    the checkpointing mode to measure with (built with recompute="selective" when that is the mode)."""
+    if not isinstance(config, GPTConfig):
+        raise ValueError(f"config must be a llmlab.model.GPTConfig, got {type(config).__name__}")
+    validation.positive_int("batch_size", batch_size)
+    validation.integer("seed", seed, low=0)
+    mode = planner.checkpointing_mode(checkpointing)
+    device = _device(device)
+    if mode == "selective":
+        config = replace(config, recompute="selective")
     torch.manual_seed(seed)
     model = GPT(config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = _batch(config, batch_size, device)  # (B, T) each
     model(x, y)[1].backward()
     opt.step()
-    return model, opt, x, y
+    return model, opt, x, y, mode
 
 
 def measure_config(config: GPTConfig, batch_size: int, budget_bytes: float | None = None, *,
-                   checkpointing: bool = False, device: torch.device | str = "cpu", seed: int = 0) -> StepMemory:
+                   checkpointing: bool | str = False, device: torch.device | str = "cpu", seed: int = 0) -> StepMemory:
     """Build `config`'s GPT with fp32 AdamW on `device`, take one unbudgeted step (so AdamW's moments exist),
-    then `measure_step` under `budget_bytes` — the planner's precision="fp32", optimizer="adamw" setting."""
-    model, opt, x, y = _after_one_step(config, batch_size, device, seed)
-    return measure_step(model, opt, x, y, budget_bytes, checkpointing=checkpointing)
+    then `measure_step` under `budget_bytes` — the planner's precision="fp32", optimizer="adamw" setting.
+    `checkpointing` is the planner's (False/"none", "selective", True/"full"); "selective" builds the GPT with
+    `recompute="selective"`, as `planner.plan(config, ..., checkpointing="selective")` counts it."""
+    _check_budget(budget_bytes)
+    model, opt, x, y, mode = _after_one_step(config, batch_size, device, seed, checkpointing)
+    return measure_step(model, opt, x, y, budget_bytes, checkpointing=mode)
 
 
 def snapshot_step(config: GPTConfig, batch_size: int, budget_bytes: float | None = None, *,
-                  checkpointing: bool = False, device: torch.device | str = "cpu", seed: int = 0,
+                  checkpointing: bool | str = False, device: torch.device | str = "cpu", seed: int = 0,
                   path=None) -> tuple[StepMemory, runtime.MemoryHistory]:
     """`measure_config`'s step, with its every allocation and free recorded (`runtime.memory_history`: CUDA's
     memory snapshot, or the profiler's stand-in on a CPU; written to `path` if given). The history starts after
     the first step: the model state is already resident, so its timeline is what the step adds on top."""
-    model, opt, x, y = _after_one_step(config, batch_size, device, seed)
+    _check_budget(budget_bytes)
+    model, opt, x, y, mode = _after_one_step(config, batch_size, device, seed, checkpointing)
     with runtime.memory_history(device, path=path) as history:
-        step = measure_step(model, opt, x, y, budget_bytes, checkpointing=checkpointing)
+        step = measure_step(model, opt, x, y, budget_bytes, checkpointing=mode)
     return step, history
 
 
@@ -425,6 +480,10 @@ def measure_zero_config(config: GPTConfig, batch_size: int, budget_bytes: float 
     leave the others waiting in a collective until `timeout`)."""
     _check_budget(budget_bytes)
     validation.integer("world_size", world_size, low=2, hint="(ZeRO shards over data ranks)")
+    validation.positive_int("batch_size", batch_size)
+    validation.integer("seed", seed, low=0)
+    if isinstance(stages, str | bytes) or not hasattr(stages, "__iter__") or not (stages := tuple(stages)):
+        raise ValueError(f"stages={stages!r} must be a non-empty list of ZeRO stages (1, 2, 3)")
     for s in stages:
         validation.integer("stage", s, 1, 3, hint="(a ZeRO stage)")
     ranks = dist.spawn(_zero_steps, world_size, config, batch_size, budget_bytes, tuple(stages), seed,
