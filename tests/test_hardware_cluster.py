@@ -159,12 +159,50 @@ def test_gpt3_arithmetic_mfu_reproduces_megatrons_measured_step():
     (dict(batch_tokens=1000), "batch_tokens=1000 is not divisible"), (dict(tokens=-1), "tokens=-1"),
     (dict(model=1), "model=1"), (dict(wat=1), "wat"), (dict(network="ethernet"), "network='ethernet'"),
     (dict(gpus_per_node=0), "gpus_per_node=0"),
-    (dict(tp=1, dp=12, pp=1, gpus=12, micro_batches=1, batch_tokens=12 * 2048),
+    (dict(tp=1, dp=12, pp=4, gpus=48, micro_batches=1, batch_tokens=12 * 2048),
      "dp=12 data-parallel ranks do not fill nodes of gpus_per_node=8 evenly"),
+    # layouts a node cannot hold: nodes left part-full, a tensor-parallel group across nodes
+    (dict(tp=1, dp=12, pp=1, gpus=12, micro_batches=1, batch_tokens=12 * 2048),
+     "gpus_per_node=8 does not divide gpus=12"),
+    (dict(gpus_per_node=6), "gpus_per_node=6 does not divide gpus=1024"),
+    (dict(tp=16, dp=8, gpus_per_node=8, network="nic-per-node"), "tp=16 does not divide gpus_per_node=8"),
+    (dict(tokens=float("inf")), "tokens=inf must be a finite number"), (dict(link=["rdma100"]), "link=['rdma100']"),
 ])
 def test_bad_input_names_the_argument(change, match):
     with pytest.raises(ValueError, match=re.escape(match)):
         cluster.preset("gpt3-175b-1024xA100", **change)
+
+
+@pytest.mark.parametrize("layout, match", [
+    (dict(dp=16, tp=4, gpus_per_node=6), "gpus_per_node=6 does not divide gpus=64"),
+    (dict(dp=8, pp=8, micro_batches=8, gpus_per_node=12), "gpus_per_node=12 does not divide gpus=64"),
+    (dict(dp=4, tp=16), "tp=16 does not divide gpus_per_node=8"),
+])
+def test_a_layout_no_node_holds_is_refused(layout, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        cluster.preset("7b-64xH100", **layout)
+    cluster.preset("7b-64xH100", gpus=4, dp=4)  # a job smaller than one node uses part of it
+
+
+_C15 = cluster.PRESETS["7b-64xH100"]
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: cluster.arithmetic_mfu(_C15, float("inf")), "step_seconds=inf must be a finite number"),
+    (lambda: cluster.arithmetic_mfu("7b", 2.0), "config='7b' must be a ClusterConfig"),
+    (lambda: cluster.step_time(None), "config=None must be a ClusterConfig"),
+    (lambda: cluster.network_step_times(None), "config=None must be a ClusterConfig"),
+    (lambda: cluster.step_from_throughput(_C15, float("inf")), "flops_per_gpu=inf must be a finite number"),
+    (lambda: cluster.link_step_times(_C15, []), "links=[] must be a non-empty list"),
+    (lambda: cluster.link_step_times(_C15, "rdma100"), "links='rdma100' must be a non-empty list"),
+    (lambda: cluster.link_step_times(_C15, ["rdma100", "x"]), "links='x' must be one of"),
+    *[(lambda nbytes=nbytes: cluster.allreduce_time(nbytes, 64, 8, "nic-per-gpu", "rdma100"), f"nbytes={nbytes!r}")
+      for nbytes in (True, None, "1e9", -1, float("nan"), float("inf"))],
+    (lambda: cluster.allreduce_time(1e9, 64, 8, "nic-per-gpu", ["rdma100"]), "link=['rdma100'] must be one of"),
+])
+def test_bad_arguments_are_named(call, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        call()
 
 
 def test_unknown_preset():

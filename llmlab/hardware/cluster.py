@@ -51,6 +51,7 @@ HOROVOD_HIERARCHICAL_ALLREDUCE. A flat ring over one NIC per node is what the sa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 from llmlab import flops, validation
@@ -71,9 +72,32 @@ TP_ALLREDUCES_PER_LAYER = 4  # Megatron-LM: attention and MLP each all-reduce on
 NETWORKS = {"nic-per-gpu": "one NIC per GPU (hierarchical)", "nic-per-node": "one NIC per node (flat ring)"}
 
 
+def _finite(name: str, value, low: float = 0, *, above: bool = True) -> float:
+    """`value` as a finite real number > low (>= low with above=False), else ValueError naming it."""
+    if above:
+        validation.number(name, value, above=low)
+    else:
+        validation.number(name, value, low=low)
+    if math.isinf(value):
+        raise ValueError(f"{name}={value!r} must be a finite number")
+    return value
+
+
+def _link(name: str, key) -> str:
+    return validation.one_of(name, key, cost.LINKS, hint="(a key of llmlab.dist.cost.LINKS)")
+
+
+def _config(config) -> ClusterConfig:
+    if not isinstance(config, ClusterConfig):
+        raise ValueError(f"config={config!r:.80} must be a ClusterConfig (e.g. cluster.preset('7b-64xH100'))")
+    return config
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
-    """One training run on one cluster (see the module docstring for what each part costs)."""
+    """One training run on one cluster (see the module docstring for what each part costs). The layout must fit
+    the nodes: gpus_per_node divides gpus (or one node holds them all), and tp divides gpus_per_node, so that a
+    tensor-parallel group sits inside one node and its all-reduces run on tp_link."""
 
     model: GPTConfig
     tokens: float  # training tokens in all
@@ -98,8 +122,7 @@ class ClusterConfig:
         if self.gpu not in SPECS:
             raise ValueError(f"gpu={self.gpu!r} is not on the spec sheet; choose from {', '.join(SPECS)}")
         for name in ("link", "tp_link"):
-            if getattr(self, name) not in cost.LINKS:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not a link; choose from {', '.join(cost.LINKS)}")
+            _link(name, getattr(self, name))
         validation.one_of("network", self.network, NETWORKS)
         for name in ("gpus", "dp", "tp", "pp", "micro_batches", "batch_tokens", "bytes_per_param",
                      "bytes_per_activation", "gpus_per_node"):
@@ -114,10 +137,17 @@ class ClusterConfig:
         if self.batch_tokens % (self.dp * self.micro_batches):
             raise ValueError(f"batch_tokens={self.batch_tokens} is not divisible by dp·micro_batches = "
                              f"{self.dp}·{self.micro_batches}")
+        node = min(self.gpus, self.gpus_per_node)  # a job smaller than a node uses part of one
+        if self.gpus % node:
+            raise ValueError(f"gpus_per_node={self.gpus_per_node} does not divide gpus={self.gpus}: the nodes would "
+                             "not all be full")
+        if node % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide gpus_per_node={self.gpus_per_node}: a tensor-parallel "
+                             "group must sit inside one node, whose link (tp_link) carries its all-reduces")
         if self.dp % self.dp_per_node:
             raise ValueError(f"dp={self.dp} data-parallel ranks do not fill nodes of gpus_per_node="
                              f"{self.gpus_per_node} evenly: {self.dp_per_node} of them share a node at tp={self.tp}")
-        validation.positive("tokens", self.tokens)
+        _finite("tokens", self.tokens)
         validation.number("mfu", self.mfu, above=0, high=1, hint="(a fraction of the attainable FLOP/s)")
 
     @property
@@ -221,13 +251,13 @@ def allreduce_time(nbytes: float, n: int, per_node: int, network: str, link: str
     """Seconds to all-reduce `nbytes` held by each of `n` GPUs, `per_node` of them in each node, across nodes on
     `link` and inside them on `node_link` (keys of cost.LINKS), for `network` (a key of NETWORKS; the formulas are
     in the module docstring). `rings_per_nic`: the rings that share one NIC under "nic-per-node"."""
+    _finite("nbytes", nbytes, above=False)
     validation.one_of("network", network, NETWORKS)
     validation.integer("n", n, low=1, hint="(the ranks of the all-reduce)")
     validation.integer("per_node", per_node, low=1, hint="(its ranks in one node)")
     validation.integer("rings_per_nic", rings_per_nic, low=1)
-    for name, key in (("link", link), ("node_link", node_link)):
-        if key not in cost.LINKS:
-            raise ValueError(f"{name}={key!r} is not a link; choose from {', '.join(cost.LINKS)}")
+    _link("link", link)
+    _link("node_link", node_link)
     g = min(n, per_node)
     if n % g:
         raise ValueError(f"n={n} ranks do not fill nodes of per_node={per_node} evenly")
@@ -243,7 +273,7 @@ def allreduce_time(nbytes: float, n: int, per_node: int, network: str, link: str
 
 def step_time(config: ClusterConfig) -> StepTime:
     """The time of one optimizer step of `config`, part by part (see the module docstring)."""
-    c = config
+    c = _config(config)
     rate = _attainable(c)
     compute = flops.training_flops(c.n_params, c.batch_tokens) / (c.gpus * rate * c.mfu)
     link, tp_link = cost.LINKS[c.link], cost.LINKS[c.tp_link]
@@ -266,11 +296,18 @@ def step_time(config: ClusterConfig) -> StepTime:
 def link_step_times(config: ClusterConfig, links=None) -> dict[str, StepTime]:
     """`step_time` of `config` with its cross-node `link` replaced by each key of `links` (default cost.LINKS):
     the chapter's C15 comparison, for a whole step rather than the all-reduce alone."""
-    return {key: step_time(config.with_(link=key)) for key in (links or cost.LINKS)}
+    _config(config)
+    if links is None:
+        links = list(cost.LINKS)
+    if isinstance(links, str) or not links:
+        raise ValueError(f"links={links!r} must be a non-empty list of link keys, e.g. ['rdma100', 'rdma200'] "
+                         "(None: every link)")
+    return {key: step_time(config.with_(link=_link("links", key))) for key in links}
 
 
 def network_step_times(config: ClusterConfig) -> dict[str, StepTime]:
     """`step_time` of `config` under each network of NETWORKS: {network key: StepTime}, side by side."""
+    _config(config)
     return {key: step_time(config.with_(network=key)) for key in NETWORKS}
 
 
@@ -278,8 +315,9 @@ def step_from_throughput(config: ClusterConfig, flops_per_gpu: float, flops_per_
     """Seconds per step of `config` that a throughput measured end to end implies: flops_per_param_token · N ·
     batch_tokens FLOPs per step (6 without activation recomputation, 8 with it) at `flops_per_gpu` FLOP/s on each
     of the GPUs."""
-    validation.positive("flops_per_gpu", flops_per_gpu)
-    validation.positive("flops_per_param_token", flops_per_param_token)
+    _config(config)
+    _finite("flops_per_gpu", flops_per_gpu)
+    _finite("flops_per_param_token", flops_per_param_token)
     return flops_per_param_token * config.n_params * config.batch_tokens / (config.gpus * flops_per_gpu)
 
 
@@ -287,7 +325,8 @@ def arithmetic_mfu(config: ClusterConfig, step_seconds: float) -> float:
     """The `mfu` of the arithmetic alone for which `step_time(config).total` is `step_seconds` (a step measured end
     to end, communication and bubble included): the model's other parts do not depend on mfu, and the step is
     (compute + tp + pp_send) / (1 − bubble share) + dp, so compute = (step − dp)(1 − bubble share) − tp − pp_send."""
-    validation.positive("step_seconds", step_seconds)
+    _config(config)
+    _finite("step_seconds", step_seconds)
     t = step_time(config)
     f = bubble_fraction(config.pp, config.micro_batches)
     compute = (step_seconds - t.dp_allreduce) * (1 - f) - t.tp_allreduce - t.pp_send
