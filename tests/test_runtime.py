@@ -250,7 +250,7 @@ def test_a_truncated_memory_history_says_so():
         del a
     assert history.truncated and history.dropped == 2 and len(history.trace) == 2 and b.numel() == 2000
     with pytest.raises(ValueError, match="truncated.*max_entries"):
-        history.peak
+        history.timeline()
     with runtime.memory_history("cpu", max_entries=4) as whole:
         torch.empty(1000, dtype=torch.uint8)
     assert not whole.truncated and whole.peak == 1000

@@ -45,8 +45,8 @@ from llmlab.memory import checkpoint, measure, planner, zero
 from llmlab.model import GPT, GPTConfig
 
 __all__ = ["MemoryBudgetExceeded", "COSTS", "Remedy", "OOMReport", "offloaded", "remedies", "diagnose",
-           "forward_bytes", "binary_size", "enforced_budget", "StepMemory", "measure_step", "measure_config", "measure_remedies",
-           "measure_zero_config", "snapshot_step"]
+           "forward_bytes", "binary_size", "enforced_budget", "StepMemory", "measure_step", "measure_config",
+           "measure_remedies", "measure_zero_config", "snapshot_step"]
 
 # What a remedy costs, cheapest first: `remedies` ranks by this, then by the FLOPs a recompute adds, then by saving.
 # The order between these classes is a convention (what a remedy changes: nothing, the messages, the work, the
