@@ -49,17 +49,32 @@ def test_a_sweep_that_does_not_decide_says_so():
     assert worse.helps() is False
 
 
+def test_a_sweep_where_runs_diverged_says_so():
+    inf = math.inf
+    every = made({(0, 1e3): [inf, inf], (10, 1e3): [inf, inf], (0, 1e8): [inf, inf], (10, 1e8): [inf, inf]},
+                 rises={cell: inf for cell in [(0, 1e3), (10, 1e3), (0, 1e8), (10, 1e8)]})
+    text = every.findings()
+    assert text.startswith("All 8 runs of 100 updates") and "diverged" in text and "nan" not in text
+    assert every.rows()[0]["warmup 0"] == "diverged (2/2 seeds)"
+    some = made({(0, 1e-2): [inf, inf], (10, 1e-2): [1.5, 1.6]})
+    assert "Lowest loss without warmup: diverged (2/2 seeds)" in some.findings()
+
+
 def test_a_small_real_sweep(one_thread):
-    sweep = warmup_sweep(warmups=(0, 4), lrs=(3e-2, 1e-3), seeds=(0, 1), steps=12, tail=3)
+    sweep = warmup_sweep(warmups=[0, 4], lrs=[3e-2, 1e-3], seeds=[0, 1], steps=12, tail=3)  # lists: as tuples
     assert sweep.lrs == (1e-3, 3e-2) and len(sweep.runs) == 8
     assert all(math.isfinite(r.final) and r.final > 0 for r in sweep.runs.values())
     assert warmup_sweep.recent(warmups=(0, 4), lrs=(3e-2, 1e-3), seeds=(0, 1), steps=12, tail=3) is sweep
+    assert warmup_sweep.recent((0, 4), [1e-3, 3e-2], (0, 1), 12, 3) is sweep
 
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(warmups=(5, 10)), "must start with 0"), (dict(warmups=(0,)), "must start with 0"),
     (dict(warmups=(0, 200)), "warmups="), (dict(lrs=(-1.0,)), "lrs="), (dict(seeds=()), "seeds="),
-    (dict(steps=1), "steps="), (dict(tail=0), "tail=")])
+    (dict(steps=1), "steps="), (dict(tail=0), "tail="), (dict(lrs=(math.inf,)), "finite"),
+    (dict(lrs=(math.nan,)), "lrs=nan"), (dict(lrs=(1e-3, "x")), "lrs='x'"), (dict(lrs=1e-3), "must be a sequence"),
+    (dict(lrs=(1e-3, 1e-3)), "twice"), (dict(seeds=(0, 0)), "twice"), (dict(seeds=(1.5,)), "seeds=1.5"),
+    (dict(batch_size=0), "batch_size="), (dict(warmups=[0, 10, 10]), "twice")])
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         warmup_sweep(**kwargs)

@@ -98,7 +98,9 @@ class WarmupSweep:
             row = {"peak LR": f"{lr:.0e}"}
             for w in self.warmups:
                 finals = self.finals(w, lr)
-                row[f"warmup {w}"] = (f"{statistics.fmean(finals):.3f} ±{(max(finals) - min(finals)) / 2:.3f}"
+                diverged = sum(not math.isfinite(f) for f in finals)
+                row[f"warmup {w}"] = (f"diverged ({diverged}/{len(finals)} seeds)" if diverged else
+                                      f"{statistics.fmean(finals):.3f} ±{(max(finals) - min(finals)) / 2:.3f}"
                                       + ("" if self.stable(w, lr) else " †"))
                 if w:
                     row[f"warmup {w} vs none"] = self.direction(self.effect(w, lr))
@@ -113,6 +115,12 @@ class WarmupSweep:
 
     def findings(self) -> str:
         """What the sweep shows, in sentences printed from its numbers."""
+        runs = f"{len(self.runs)} runs of {self.steps} updates (tiny GPT, AdamW, no clipping, seeds " \
+               f"{', '.join(map(str, self.seeds))})"
+        if not any(math.isfinite(r.final) for r in self.runs.values()):
+            return (f"All {runs} diverged (a loss of inf or NaN), at every peak LR swept "
+                    f"({', '.join(f'{lr:.0e}' for lr in self.lrs)}), with and without warmup: the sweep says nothing "
+                    "about warmup; sweep lower learning rates.")
         none, warm, differences, direction = self.compare_best()
         stable = {w: self.highest_stable_lr(w) for w in self.warmups}
         said = ", ".join(f"{'none' if w == 0 else w}: {'none' if lr is None else f'{lr:.0e}'}"
@@ -121,13 +129,18 @@ class WarmupSweep:
                                                       for w in self.warmups[1:]) for lr in self.lrs)
         spread = f"{min(differences):+.3f} … {max(differences):+.3f}"
         verdict = {"lower": "lower with warmup on every seed", "higher": "higher with warmup on every seed"}.get(
-            direction, "not conclusive: the seeds disagree")
-        return (f"{len(self.runs)} runs of {self.steps} updates (tiny GPT, AdamW, no clipping, seeds "
-                f"{', '.join(map(str, self.seeds))}). Highest peak LR at which the loss never rose more than {RISE} "
-                f"nats above its start, by warmup — {said}. Lowest loss without warmup: {self.mean(*none):.3f} at LR "
-                f"{none[1]:.0e}; with warmup: {self.mean(*warm):.3f} (warmup {warm[0]}, LR {warm[1]:.0e}); per seed "
+            direction, "not conclusive: both best cells diverged on some seed" if any(map(math.isnan, differences))
+            else "not conclusive: the seeds disagree")
+        return (f"{runs}. Highest peak LR at which the loss never rose more than {RISE} "
+                f"nats above its start, by warmup — {said}. Lowest loss without warmup: {self._loss(none)} at LR "
+                f"{none[1]:.0e}; with warmup: {self._loss(warm)} (warmup {warm[0]}, LR {warm[1]:.0e}); per seed "
                 f"the warmed-up best minus the unwarmed best is {spread}: {verdict}. Loss with warmup against none, "
                 f"per peak LR (paired by seed): {per_lr}.")
+
+    def _loss(self, cell: tuple[int, float]) -> str:
+        """A cell's mean loss, or how many of its seeds diverged."""
+        diverged = sum(not math.isfinite(f) for f in self.finals(*cell))
+        return f"{self.mean(*cell):.3f}" if not diverged else f"diverged ({diverged}/{len(self.seeds)} seeds)"
 
     def helps(self) -> bool | None:
         """True when warmup both reached a lower loss on every seed and trained stably at a higher peak LR than no
@@ -142,23 +155,44 @@ class WarmupSweep:
         return None
 
 
-@timing.remembered
-def warmup_sweep(warmups: tuple[int, ...] = (0, 10, 30), lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2),
-                 seeds: tuple[int, ...] = (0, 1, 2), steps: int = 100, tail: int = 10, batch_size: int = 8,
-                 block_size: int = 16) -> WarmupSweep:
-    """Train the tiny GPT for every (warmup, peak LR, seed); see the module docstring. `warmup_sweep.recent(...)`
-    returns the last sweep with these arguments in this process (chapter 6's cell, then claim C16)."""
-    warmups, lrs, seeds = tuple(warmups), tuple(sorted(lrs)), tuple(seeds)
+def _arguments(warmups=(0, 10, 30), lrs=(1e-3, 3e-3, 1e-2, 3e-2), seeds=(0, 1, 2), steps=100, tail=10,
+               batch_size=8, block_size=16) -> tuple:
+    """The sweep's arguments checked, as one hashable tuple (lists become tuples, the LRs ascending), before any run
+    starts: a bad argument is refused at once, not after minutes of training."""
+    def values(name, value) -> tuple:
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+            raise ValueError(f"{name}={value!r} must be a sequence (a tuple or a list)")
+        if not (value := tuple(value)):
+            raise ValueError(f"{name}={value!r} must not be empty")
+        return value
+
+    def once(name, value: tuple) -> None:  # after the values are checked (numbers, so hashable)
+        if len(set(value)) != len(value):
+            raise ValueError(f"{name}={value!r} holds a value twice")
+
+    warmups, lrs, seeds = values("warmups", warmups), values("lrs", lrs), values("seeds", seeds)
     validation.integer("steps", steps, low=2)  # update 0's loss, and at least one after it
-    if not warmups or warmups[0] != 0 or len(set(warmups)) != len(warmups) or len(warmups) < 2:
-        raise ValueError(f"warmups={warmups!r} must start with 0 (the baseline) and hold another, distinct length")
     for w in warmups:
         validation.integer("warmups", w, 0, steps, hint=f"(a count of updates in a run of steps={steps})")
+    if warmups[0] != 0 or len(warmups) < 2:
+        raise ValueError(f"warmups={warmups!r} must start with 0 (the baseline) and hold another, distinct length")
     for lr in lrs:
-        validation.positive("lrs", lr)
-    if not lrs or not seeds:
-        raise ValueError(f"lrs={lrs!r} and seeds={seeds!r} must not be empty")
+        validation.number("lrs", lr, above=0)
+        if not math.isfinite(lr):
+            raise ValueError(f"lrs={lr!r} must be a finite learning rate")
+    for seed in seeds:
+        validation.integer("seeds", seed, low=0)
+    for name, value in (("warmups", warmups), ("lrs", lrs), ("seeds", seeds)):
+        once(name, value)
     validation.integer("tail", tail, 1, steps, hint=f"(updates at the end of a run of steps={steps})")
+    validation.positive_int("batch_size", batch_size)
+    validation.positive_int("block_size", block_size)
+    return warmups, tuple(sorted(lrs)), seeds, steps, tail, batch_size, block_size
+
+
+@timing.remembered
+def _sweep(warmups: tuple[int, ...], lrs: tuple[float, ...], seeds: tuple[int, ...], steps: int, tail: int,
+           batch_size: int, block_size: int) -> WarmupSweep:
     runs = {}
     cells = [(w, lr, seed) for w in warmups for lr in lrs for seed in seeds]
     # no disable=: `llmlab site` sets TQDM_DISABLE, which an explicit one would override
@@ -172,3 +206,19 @@ def warmup_sweep(warmups: tuple[int, ...] = (0, 10, 30), lrs: tuple[float, ...] 
         else:
             runs[w, lr, seed] = Run(final=statistics.fmean(loss[-tail:]), rise=max(loss[1:]) - loss[0])
     return WarmupSweep(warmups, lrs, seeds, steps, tail, runs)
+
+
+def warmup_sweep(warmups: tuple[int, ...] = (0, 10, 30), lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2),
+                 seeds: tuple[int, ...] = (0, 1, 2), steps: int = 100, tail: int = 10, batch_size: int = 8,
+                 block_size: int = 16) -> WarmupSweep:
+    """Train the tiny GPT for every (warmup, peak LR, seed); see the module docstring. `warmup_sweep.recent(...)`
+    returns the last sweep with these arguments in this process (chapter 6's cell, then claim C16). Sequences may
+    be tuples or lists; the arguments are checked before the first run."""
+    return _sweep(*_arguments(warmups, lrs, seeds, steps, tail, batch_size, block_size))
+
+
+def _recent(*args, **kwargs) -> WarmupSweep:
+    return _sweep.recent(*_arguments(*args, **kwargs))
+
+
+warmup_sweep.recent = _recent
