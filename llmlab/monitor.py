@@ -38,6 +38,7 @@ the parameters' memory); with `log_interval` k > 1 it is the ratio over the last
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import shutil
 import subprocess
@@ -50,12 +51,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from llmlab import hardware, runtime, timing, validation
 
-__all__ = ["Monitor", "Peak", "device_peak", "profile_step", "gpu_stats", "memory_bytes", "COMM_PREFIXES"]
+__all__ = ["PRECISIONS", "Monitor", "Peak", "device_peak", "profile_step", "gpu_stats", "memory_bytes", "COMM_PREFIXES"]
 
 # units of the metrics the Trainer logs, for the panels' titles
 _UNITS = {"loss": "nats/token", "tokens_per_s": "tokens/s", "step_time_s": "s", "comm_s": "s",
           "memory_bytes": "bytes", "update_ratio": "‖Δθ‖/‖θ‖, log scale"}
 _LOG_SCALE = ("update_ratio",)
+PRECISIONS = ("fp32", "bf16", "fp16")  # what a run trains in, for the peak it is measured against
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,11 @@ class Peak:
     flops: float  # FLOP/s of one device
     source: str  # e.g. "spec sheet: H100 SXM, bf16 dense (NVIDIA H100 Tensor Core GPU datasheet (2023); ...)"
     label: str  # a few words for a panel's title: "spec sheet H100 SXM bf16", "measured fp32 matmul"
+
+    def __post_init__(self):
+        validation.number("flops", self.flops, above=0, hint="(a device's peak FLOP/s: MFU divides by it)")
+        if not math.isfinite(self.flops):
+            raise ValueError(f"flops={self.flops!r} must be a finite number of FLOP/s")
 
 
 def device_peak(device=None, precision: str = "fp32", seconds: float = 0.5) -> Peak:
@@ -76,8 +83,16 @@ def device_peak(device=None, precision: str = "fp32", seconds: float = 0.5) -> P
     included: `hardware.matmul_peak(seconds=)`, the fp32 n×n matmul of the roofline's flat roof, on the threads
     torch uses now (about `seconds`).
     """
-    validation.one_of("precision", precision, ("fp32", "bf16", "fp16"))
+    validation.one_of("precision", precision, PRECISIONS)
+    if math.isinf(validation.positive("seconds", seconds)):
+        raise ValueError(f"seconds={seconds!r} must be a finite number of seconds")
     device = runtime.device() if device is None else torch.device(device)
+    if device.type == "meta":  # a meta tensor holds no data: a "measured" matmul on it takes no time
+        raise ValueError(f"device={str(device)!r} has no peak to measure: meta tensors compute nothing; give the "
+                         "device the run trains on")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r}, but this torch sees no CUDA device (torch.cuda.is_available() "
+                         f"is False; torch {torch.__version__}, built with CUDA {torch.version.cuda})")
     row = hardware.for_device(hardware.device_name(device)) if device.type == "cuda" else None
     if row is not None:
         column = "bf16" if precision in ("bf16", "fp16") else (
@@ -180,6 +195,18 @@ def profile_step(fn: Callable, *args, **kwargs) -> dict:
     return {**rows, "wall": wall, "table": table}
 
 
+def _metric(name, value) -> float:
+    """A logged value as a float: a real number (int, float, NumPy scalar) or a one-element tensor; not a bool, a
+    string or None, which float() would take or crash on. NaN and inf pass: a diverged run's loss is logged."""
+    if not isinstance(name, str):
+        raise ValueError(f"metric name {name!r} must be a str")
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}={value!r} must be a real number (a bool or a string is not a metric)")
+    return float(value)
+
+
 class Monitor:
     """Keep every metric logged per step; optionally write TensorBoard events and draw a live plot.
 
@@ -227,6 +254,7 @@ class Monitor:
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"model={model!r} must be a torch.nn.Module")
         validation.positive_int("devices", devices)
+        validation.one_of("precision", precision, PRECISIONS)
         self._params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if not self._params:
             raise ValueError("model has no trainable parameter to watch")
@@ -260,7 +288,10 @@ class Monitor:
         validation.integer("step", step, low=0)
         if not isinstance(metrics, dict):
             raise ValueError(f"metrics must be a dict of name → number, got {type(metrics).__name__}")
-        metrics = {k: float(v) for k, v in metrics.items()}
+        metrics = {k: _metric(k, v) for k, v in metrics.items()}
+        if "tokens_per_s" in metrics and not (math.isfinite(metrics["tokens_per_s"]) and metrics["tokens_per_s"] >= 0):
+            raise ValueError(f"tokens_per_s={metrics['tokens_per_s']!r} must be a finite number >= 0 (tokens per "
+                             "second: MFU is computed from it)")
         if self._params:
             if isinstance(self.peak, Peak) and "tokens_per_s" in metrics:
                 metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (self.devices * self.peak.flops)

@@ -173,6 +173,7 @@ def test_the_trainer_hands_its_model_to_the_monitor(tmp_path):
 
 def test_device_peak_reads_the_spec_sheet_for_a_known_gpu(monkeypatch):
     monkeypatch.setattr(monitor_module.hardware, "device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CPU build would refuse cuda (tested below)
     cuda = torch.device("cuda", 0)
     assert monitor_module.device_peak(cuda, "bf16").flops == 989e12  # H100 SXM, BF16 dense (datasheet)
     assert monitor_module.device_peak(cuda, "fp16").flops == 989e12
@@ -191,3 +192,44 @@ def test_device_peak_reads_the_spec_sheet_for_a_known_gpu(monkeypatch):
 def test_device_peak_measures_this_cpu():
     peak = monitor_module.device_peak("cpu", seconds=0.1)
     assert peak.flops > 0 and peak.source.startswith("measured: fp32 ") and "matmul_peak" in peak.source
+
+
+@pytest.mark.parametrize("flops", [0, -1e12, math.nan, math.inf, "1e12", True])
+def test_a_peak_that_is_not_a_positive_finite_rate_is_refused(flops):
+    with pytest.raises(ValueError, match="flops="):
+        Peak(flops, "x", "x")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(device="meta"), "meta tensors compute nothing"), (dict(precision="fp8"), "precision='fp8'"),
+    (dict(seconds=math.inf), "finite number of seconds")])
+def test_device_peak_refuses_what_it_cannot_measure(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        monitor_module.device_peak(**kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that sees no CUDA device")
+def test_device_peak_on_cuda_without_cuda_says_so():
+    with pytest.raises(ValueError, match=r"device='cuda', but this torch sees no CUDA device"):
+        monitor_module.device_peak("cuda")
+
+
+def test_watch_refuses_an_unknown_precision_even_with_a_peak_given():
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        Monitor(peak=Peak(1e12, "x", "x")).watch(torch.nn.Linear(2, 2), precision="fp8")
+
+
+@pytest.mark.parametrize("value, match", [(-5, "finite number >= 0"), (math.nan, "finite number >= 0"),
+                                          ("5", "must be a real number"), (True, "must be a real number"),
+                                          (None, "must be a real number")])
+def test_log_refuses_a_rate_that_is_not_a_number_of_tokens_per_second(value, match):
+    monitor = Monitor(peak=Peak(1e12, "x", "x"))
+    monitor.watch(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=match):
+        monitor.log(1, {"tokens_per_s": value})
+
+
+def test_log_takes_numbers_one_element_tensors_and_a_diverged_loss():
+    monitor = Monitor(peak=None)
+    monitor.log(1, {"loss": math.nan, "lr": torch.tensor(1e-3), "n": 3})
+    assert math.isnan(monitor.history["loss"][0][1]) and monitor.history["lr"] == [(1, pytest.approx(1e-3))]
