@@ -78,3 +78,11 @@ def test_a_small_real_sweep(one_thread):
 def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         warmup_sweep(**kwargs)
+
+
+def test_progress_is_not_part_of_what_recent_matches(one_thread, capsys):
+    sweep = warmup_sweep(warmups=(0, 2), lrs=(1e-3,), seeds=(0,), steps=4, tail=2, progress=False)
+    assert "warmup × peak LR" not in capsys.readouterr().err  # no bar drawn
+    assert warmup_sweep.recent(warmups=(0, 2), lrs=(1e-3,), seeds=(0,), steps=4, tail=2) is sweep
+    with pytest.raises(ValueError, match="progress="):
+        warmup_sweep(progress="no")

@@ -23,6 +23,7 @@ Run the tests: `.venv/bin/pytest tests/test_train_sweep.py`.
 
 from __future__ import annotations
 
+import contextvars
 import math
 import statistics
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ __all__ = ["RISE", "Run", "WarmupSweep", "warmup_sweep"]
 # nats above the starting loss that count as "the loss went up": batch-to-batch noise at initialisation is ~0.02
 # nats (a fresh model predicts nearly uniformly on every batch), a throw-off by a too-large first step is 0.1–1
 RISE = 0.1
+_PROGRESS = contextvars.ContextVar("progress", default=True)  # warmup_sweep's progress=, outside the remembered key
 
 
 @dataclass(frozen=True)
@@ -195,8 +197,9 @@ def _sweep(warmups: tuple[int, ...], lrs: tuple[float, ...], seeds: tuple[int, .
            batch_size: int, block_size: int) -> WarmupSweep:
     runs = {}
     cells = [(w, lr, seed) for w in warmups for lr in lrs for seed in seeds]
-    # no disable=: `llmlab site` sets TQDM_DISABLE, which an explicit one would override
-    for w, lr, seed in tqdm(cells, desc="warmup × peak LR", unit="run", leave=False):
+    # no disable= when the bar is wanted: an explicit one would override TQDM_DISABLE (`llmlab site` sets it)
+    off = {} if _PROGRESS.get() else {"disable": True}
+    for w, lr, seed in tqdm(cells, desc="warmup × peak LR", unit="run", leave=False, **off):
         config = TrainConfig.preset("tiny", steps=steps, warmup=w, lr=lr, min_lr=lr / 10, grad_clip=None,
                                     batch_size=batch_size, block_size=block_size, seed=seed)
         trainer = Trainer(config=config, progress=False)
@@ -210,11 +213,17 @@ def _sweep(warmups: tuple[int, ...], lrs: tuple[float, ...], seeds: tuple[int, .
 
 def warmup_sweep(warmups: tuple[int, ...] = (0, 10, 30), lrs: tuple[float, ...] = (1e-3, 3e-3, 1e-2, 3e-2),
                  seeds: tuple[int, ...] = (0, 1, 2), steps: int = 100, tail: int = 10, batch_size: int = 8,
-                 block_size: int = 16) -> WarmupSweep:
+                 block_size: int = 16, progress: bool = True) -> WarmupSweep:
     """Train the tiny GPT for every (warmup, peak LR, seed); see the module docstring. `warmup_sweep.recent(...)`
     returns the last sweep with these arguments in this process (chapter 6's cell, then claim C16). Sequences may
-    be tuples or lists; the arguments are checked before the first run."""
-    return _sweep(*_arguments(warmups, lrs, seeds, steps, tail, batch_size, block_size))
+    be tuples or lists; the arguments are checked before the first run. `progress=False`: no progress bar (a
+    notebook's saved output keeps a tqdm bar's first frame, "0%"); it is not part of what `recent` matches."""
+    arguments = _arguments(warmups, lrs, seeds, steps, tail, batch_size, block_size)
+    token = _PROGRESS.set(validation.one_of("progress", progress, (True, False)))
+    try:
+        return _sweep(*arguments)
+    finally:
+        _PROGRESS.reset(token)
 
 
 def _recent(*args, **kwargs) -> WarmupSweep:
