@@ -22,6 +22,17 @@ def test_known_problems_are_flagged():
     assert _cell("MI250", "interconnect GB/s").matches == ("MI250X",)  # 800 GB/s is the MI250X's 8 links
 
 
+def test_a_mixed_row_says_which_figures_are_whose():
+    """The H100 row quotes the PCIe card's FP32 and the SXM module's bandwidth and NVLink: each of those cells names
+    the other card's columns; 80 GB, both cards' capacity, is right and mixes nothing."""
+    memory = _cell("H100", "memory GB")
+    assert memory.verdict == "right" and memory.matches == ("H100 SXM", "H100 PCIe")
+    assert _cell("H100", "FP32 TFLOPS").note.endswith(
+        "one row, two cards: the row's bandwidth GB/s, interconnect GB/s are the H100 SXM's")
+    assert _cell("H100", "bandwidth GB/s").note.endswith("the row's FP32 TFLOPS is the H100 PCIe's")
+    assert _cell("MI250", "FP32 TFLOPS").note.endswith("the row's interconnect GB/s is the MI250X's")
+
+
 def test_a_wrong_number_is_called_wrong(monkeypatch):
     monkeypatch.setitem(material.MATERIAL_TABLE, "A100", {**material.MATERIAL_TABLE["A100"], "hbm_gbs": 3000})
     cell = _cell("A100", "bandwidth GB/s")

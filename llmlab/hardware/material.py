@@ -64,10 +64,22 @@ def check_table() -> list[Cell]:
             matches = tuple(name for name, s in rows.items() if abs(getattr(s, column) - value) < 0.5)
             verdict, note = _note(gpu, column, matches, rows)
             cells.append(Cell(gpu, COLUMNS[column], value, matches, verdict, note))
-    mixed = [g for g in MATERIAL_TABLE if len({m for c in cells if c.gpu == g for m in c.matches}) > 1]
-    for g in mixed:  # one row quoting two different cards
-        cards = sorted({m for c in cells if c.gpu == g for m in c.matches})
-        cells = [c if c.gpu != g or c.verdict == "wrong" else
-                 Cell(c.gpu, c.column, c.material, c.matches, "misleading",
-                      c.note + f"; this row mixes {' and '.join(cards)}") for c in cells]
+    for g in MATERIAL_TABLE:  # a row quoting two different cards: flag each cell that is only one card's figure
+        row = [c for c in cells if c.gpu == g]
+        cards = {m for c in row for m in c.matches}
+        if len(cards) < 2:
+            continue
+        for i, c in enumerate(cells):
+            if c.gpu != g or c.verdict == "wrong" or set(c.matches) >= cards:  # a figure every candidate shares
+                continue
+            others = {}  # the other card → the row's columns that are its figures, not this cell's card's
+            for o in row:
+                if set(o.matches) & set(c.matches):  # a figure this cell's card shares
+                    continue
+                for card in o.matches:
+                    others.setdefault(card, []).append(o.column)
+            mix = "; ".join(f"the row's {', '.join(columns)} {'is' if len(columns) == 1 else 'are'} the {card}'s"
+                            for card, columns in sorted(others.items()))
+            cells[i] = Cell(c.gpu, c.column, c.material, c.matches, "misleading",
+                            f"{c.note}; one row, two cards: {mix}")
     return cells
