@@ -51,7 +51,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from llmlab import hardware, runtime, timing, validation
 
-__all__ = ["PRECISIONS", "Monitor", "Peak", "device_peak", "profile_step", "gpu_stats", "memory_bytes", "COMM_PREFIXES"]
+__all__ = ["PRECISIONS", "Monitor", "Peak", "device_peak", "interleaved_mfu", "profile_step", "gpu_stats",
+           "memory_bytes", "COMM_PREFIXES"]
 
 # units of the metrics the Trainer logs, for the panels' titles
 _UNITS = {"loss": "nats/token", "tokens_per_s": "tokens/s", "step_time_s": "s", "comm_s": "s",
@@ -104,6 +105,31 @@ def device_peak(device=None, precision: str = "fp32", seconds: float = 0.5) -> P
     return Peak(flops, f"measured: fp32 {n}×{n} matmul on {hardware.device_name(device)}, {threads} "
                        f"thread{'s' * (threads != 1)}, ±{t.spread:.0%} (llmlab.hardware.matmul_peak)",
                 f"measured fp32 matmul, {threads} thread{'s' * (threads != 1)}")
+
+
+def interleaved_mfu(fn: Callable, flops: float, device=None, seconds: float = 1.0) -> tuple[Peak, hardware.Rate]:
+    """`fn`'s MFU against this device's fp32 n×n matmul, both timed in the same interleaved rounds (chapter 1's
+    method, `timing.interleave`): a busy machine slows both alike, so the ratio holds where a peak measured at
+    another moment (`device_peak`, once at `watch`) would not. `fn` does `flops` model FLOPs per call (for a
+    training update: 6N × its tokens). Returns (the matmul's Peak, from these rounds; the Rate: `.value` the MFU,
+    `.spread` over the rounds); n is `hardware.matmul_peak`'s (found in about 0.1 s)."""
+    if not callable(fn):
+        raise ValueError(f"fn={fn!r} must be callable")
+    validation.positive("flops", flops)
+    if math.isinf(validation.positive("seconds", seconds)):
+        raise ValueError(f"seconds={seconds!r} must be a finite number of seconds")
+    device = runtime.device() if device is None else torch.device(device)
+    _, n, _ = hardware.matmul_peak(device, seconds=0.05)  # only its n: the size that fills this device
+    a, b = (torch.randn(n, n, device=device) for _ in range(2))  # (n, n) each
+    c = torch.empty(n, n, device=device)  # (n, n)
+    rounds = timing.interleave({"peak": lambda: torch.matmul(a, b, out=c), "fn": fn}, device=device,
+                               budget_s=seconds)
+    matmul, threads = rounds["peak"], torch.get_num_threads()
+    peak = Peak(2 * n**3 / matmul.seconds,
+                f"measured: fp32 {n}×{n} matmul on {hardware.device_name(device)}, {threads} thread"
+                f"{'s' * (threads != 1)}, ±{matmul.spread:.0%} over {len(matmul.samples)} rounds interleaved with "
+                "the run's own update (llmlab.monitor.interleaved_mfu)", "measured fp32 matmul, interleaved")
+    return peak, hardware.Rate(rounds.ratio("peak", "fn"), flops / (2 * n**3))
 
 
 # torch.profiler op names of collectives: the c10d dispatcher op, the backend's work item, the comms record

@@ -233,3 +233,14 @@ def test_log_takes_numbers_one_element_tensors_and_a_diverged_loss():
     monitor = Monitor(peak=None)
     monitor.log(1, {"loss": math.nan, "lr": torch.tensor(1e-3), "n": 3})
     assert math.isnan(monitor.history["loss"][0][1]) and monitor.history["lr"] == [(1, pytest.approx(1e-3))]
+
+
+def test_interleaved_mfu_times_the_peak_and_the_function_in_the_same_rounds(one_thread):
+    x = torch.randn(64, 64)  # (64, 64)
+    peak, rate = monitor_module.interleaved_mfu(lambda: x @ x, flops=2 * 64**3, seconds=0.2)
+    assert peak.flops > 0 and "interleaved" in peak.source and "rounds" in peak.source
+    assert 0 < rate.value < 2 and len(rate.comparison.ratios) >= 5  # a small matmul: at most about the peak's rate
+    with pytest.raises(ValueError, match="flops="):
+        monitor_module.interleaved_mfu(lambda: None, flops=0)
+    with pytest.raises(ValueError, match="fn="):
+        monitor_module.interleaved_mfu("step", flops=1.0)
