@@ -129,6 +129,7 @@ def test_link_figure_has_a_stacked_bar_per_link():
         ends[p.get_y()] = max(ends.get(p.get_y(), 0.0), p.get_x() + p.get_width())
     assert sorted(ends.values()) == pytest.approx(sorted(t.total for t in times.values()))
     assert [t.get_text().split(",")[0] for t in ax.get_yticklabels()] == [lk.name for lk in cost.LINKS.values()]
+    assert ax.get_title().endswith("by the link across nodes, " + cluster.NETWORKS["nic-per-gpu"])  # the preset's
     with pytest.raises(ValueError, match="times is empty"):
         widgets.link_step_figure({})
 

@@ -238,8 +238,8 @@ def _step_mistakes(c, t) -> list[tuple[float, str]]:
     rest = t.total - t.dp_allreduce  # the step without its DP all-reduce
     mistakes = [
         (t.compute, "that is the compute alone: this model overlaps nothing, so the DP and TP all-reduces add to it"),
-        (max(t.compute, t.comm), "max(compute, communication) assumes a perfect overlap; the library's model (an "
-                                 "upper bound) adds them"),
+        (max(t.compute, t.comm), "max(compute, communication) assumes a perfect overlap; the library's model "
+                                 "(no overlap) adds them"),
         (t.compute + t.dp_allreduce, "the TP all-reduces are missing: 4 per layer per micro-batch"),
         (t.compute + t.tp_allreduce, "the gradient all-reduce over the dp ranks is missing"),
         (t.compute + t.dp_allreduce + t.tp_allreduce / 2, "half the TP all-reduce time: Megatron all-reduces twice "

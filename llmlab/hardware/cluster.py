@@ -15,10 +15,11 @@ a parallel layout dp × tp × pp (data, Megatron tensor, pipeline; dp·tp·pp = 
 
 Every collective is priced by `llmlab.dist.cost`'s α-β model over a link of `cost.LINKS`: `link` carries what crosses
 nodes (data-parallel gradients, pipeline activations), `tp_link` what stays inside one (tensor parallelism, and the
-in-node phases of the hierarchical all-reduce). Nothing is assumed to overlap, so the total is an upper bound;
-`StepTime.comm_hidden` says what overlap could hide at best. `mfu` is the efficiency of the arithmetic alone; the
-end-to-end MFU (`StepTime.mfu`) adds communication and bubble. A published end-to-end figure (throughput measured
-over whole steps) is not an `mfu`: `arithmetic_mfu` finds the `mfu` that reproduces it.
+in-node phases of the hierarchical all-reduce). Nothing is assumed to overlap, so the total is an upper bound as far
+as overlap goes (`StepTime.comm_hidden` says what overlap could hide at best); the links run at line rate, the least
+a transfer can take, so the total is an estimate, not a bound either way. `mfu` is the efficiency of the arithmetic
+alone; the end-to-end MFU (`StepTime.mfu`) adds communication and bubble. A published end-to-end figure (throughput
+measured over whole steps) is not an `mfu`: `arithmetic_mfu` finds the `mfu` that reproduces it.
 
 The network across nodes (`network`, a key of `NETWORKS`; `allreduce_time` prices a data-parallel group of n GPUs,
 g of them in each node, m = n/g nodes, S bytes of gradient on each GPU):
@@ -346,18 +347,20 @@ def _gpt(n_layer: int, n_head: int, n_embd: int, vocab_size: int, block_size: in
 
 
 # Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
-# (arXiv:2104.04473), Table 1 and §5.1: GPT-3 175B on 1024 A100s (tensor 8 × pipeline 8, batch 1536) ran at 140
-# TFLOP/s per GPU, 45% of the 312 TFLOP/s peak. That is end to end — the measured time of whole iterations, every
-# all-reduce, send and pipeline bubble in it — and it counts activation recomputation's extra forward pass: 4
-# passes of 2·N FLOPs per token, 8·N (their eq. 3). Their estimate of the whole run, 8·T·P/(n·X), is 34 days.
-MEGATRON_GPT3 = {"flops_per_gpu": 140e12, "peak_share": 0.45, "flops_per_param_token": 8, "days": 34}
+# (arXiv:2104.04473), §5.1's estimate of GPT-3's training time: with P = 175B parameters, T = 300B tokens, n = 1024
+# A100s and batch size 1536 they "achieve X = 140 teraFLOP/s per GPU", so training takes 8·T·P/(n·X) (their eq. 4)
+# = 34 days. X is end to end — FLOPs over the measured time of whole iterations, every all-reduce, send and pipeline
+# bubble in it — and counts activation recomputation's extra forward pass: 4 passes of 2·N FLOPs per token, 8·N (the
+# FLOPs of their eq. 3). They state no share of the peak for this run: 140/312 = 44.9% is our arithmetic (their
+# Table 1's 140 TFLOP/s, 45% row is another model size). The layout below is llmlab's assumption.
+MEGATRON_GPT3 = {"flops_per_gpu": 140e12, "flops_per_param_token": 8, "days": 34}
 
-# GPT-3 (Brown et al. 2020: 300B tokens, batch 1536 × 2048 = 3.1M tokens) on 128 DGX A100 nodes, laid out like
-# Megatron-LM (Narayanan et al. 2021): tensor parallel inside a node over NVLink 3, 8 pipeline stages, one 200 Gb/s
-# HDR NIC per GPU across nodes (NVIDIA DGX A100 datasheet: 8 single-port ConnectX-6 HDR for the compute network),
-# one sequence per micro-batch. Its
-# arithmetic mfu is not their 45%, which is end to end: it is the one for which this model's step is their measured
-# one (`arithmetic_mfu`), set below
+# GPT-3 (Brown et al. 2020: 300B tokens, batch 1536 × 2048 = 3.1M tokens) on 128 DGX A100 nodes in llmlab's assumed
+# layout, Megatron-LM's recipe (Narayanan et al. 2021: tensor parallelism inside a node, pipeline across nodes):
+# tensor parallel 8 inside a node over NVLink 3, 8 pipeline stages, 16-way data parallel, one 200 Gb/s HDR NIC per
+# GPU across nodes (NVIDIA DGX A100 datasheet: 8 single-port ConnectX-6 HDR for the compute network), one sequence
+# per micro-batch. Its arithmetic mfu is not 140/312, which is end to end: it is the one for which this model's step is
+# their measured one (`arithmetic_mfu`), set below
 _GPT3 = ClusterConfig(
     model=GPTConfig(**flops.GPT3_CONFIG), tokens=300e9, batch_tokens=1536 * 2048, gpu="A100 SXM", gpus=1024,
     link="rdma200", dp=16, tp=8, pp=8, micro_batches=96, tp_link="nvlink3", network="nic-per-gpu")

@@ -145,7 +145,7 @@ def link_step_figure(times: dict):
     ax.tick_params(axis="y", labelsize=7)
     c = next(iter(times.values())).config
     ax.set_title(f"one step of {count(c.n_params)} params on {c.gpus} × {c.gpu} (dp {c.dp} × tp {c.tp} × pp {c.pp}) "
-                 "by the link across nodes", fontsize=9)
+                 f"by the link across nodes, {cluster.NETWORKS[c.network]}", fontsize=9)
     return fig
 
 
@@ -157,8 +157,9 @@ def _options(values, stops, label) -> list[tuple[str, float]]:
 def cluster_calculator(preset: str = "gpt3-175b-1024xA100", model: str | None = None, **changes):
     """A cluster-calculator widget over `cluster_estimate`, starting from `preset` with `model` and `changes`
     (fields of CALCULATOR_FIELDS): choosing a preset sets every control to it; the other controls change one field
-    at a time. A layout the library refuses (degrees not dividing the GPUs, a tensor degree not dividing the heads,
-    more stages than layers, a batch not split evenly) says why instead of raising.
+    at a time. A layout the library refuses (degrees not dividing the GPUs, a tensor degree not dividing the heads
+    or the GPUs of a node, nodes not all full, more stages than layers, a batch not split evenly) says why instead of
+    raising.
 
     `.result` (HTML) holds the summary line, `.plot` (an Image widget) the stacked bar, `.controls` maps argument
     names to the controls, `.estimate()` returns the current `cluster_estimate` dict.
