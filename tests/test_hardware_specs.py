@@ -55,9 +55,19 @@ def test_a_device_finds_its_own_row(name, row):
     assert (found.name if found else None) == row
 
 
+def test_memory_capacity_is_in_binary_gigabytes():
+    """An "80 GB" A100 is 81920 MiB = 80 GiB (nvidia-smi), 7% more than 80·10⁹ bytes; every row's capacity is its
+    label read as GiB, or the driver's total a little under it (H100 81559 MiB, H200 143771 MiB, B200 183359 MiB)."""
+    assert SPECS["A100 SXM"].memory_bytes == SPECS["A100 PCIe"].memory_bytes == 80 * 2**30 == 81920 * 2**20
+    assert SPECS["H200 SXM"].memory_bytes == 143771 * 2**20 and SPECS["B200"].memory_bytes == 183359 * 2**20
+    for s in SPECS.values():
+        assert isinstance(s.memory_bytes, int) and s.memory_gb * 1e9 < s.memory_bytes <= s.memory_gb * 2**30, s.name
+
+
 def test_one_die_of_a_two_die_package_gets_half_of_it():
     package, die = SPECS["MI250X"], for_device("AMD Instinct MI250X")
     assert die.bf16_tflops == package.bf16_tflops / 2 and die.memory_gb == 64 and die.hbm_gbs == package.hbm_gbs / 2
+    assert die.memory_bytes == 64 * 2**30
     assert die.dies == 1 and die.ridge_point() == pytest.approx(package.ridge_point())
 
 

@@ -40,7 +40,7 @@ def test_memory_plan_is_the_planner(stage, checkpointing, tensor):
     config = GPTConfig(**widgets.MEMORY_MODELS["GPT-3 6.7B"])
     want = planner.plan(config, 2, 1024, stage=stage, data=16, tensor=tensor, checkpointing=checkpointing)
     assert r["plan"] == want and r["breakdown"] == want.breakdown() and r["total"] == want.total
-    assert r["memory"] == SPECS["H100 SXM"].memory_gb * 1e9 and r["fits"] == (want.total <= r["memory"])
+    assert r["memory"] == SPECS["H100 SXM"].memory_bytes and r["fits"] == (want.total <= r["memory"])
     assert [r["by_stage"][s].total for s in range(4)] == sorted((r["by_stage"][s].total for s in range(4)),
                                                                  reverse=True)  # each stage shards more
     # model state alone is the ZeRO paper's formula for Ψ/t parameters
@@ -55,7 +55,7 @@ def test_the_default_is_the_chapter_example():
     assert not r["fits"] and r["breakdown"]["optimizer_state"] == pytest.approx(12 * r["num_params"])
     assert widgets.memory_plan(stage=1)["fits"]
     text = widgets.format_memory_plan(r)
-    assert "does not fit on A100 SXM (80 GB)" in text and "ZeRO-0 over 8 GPUs" in text
+    assert "does not fit on A100 SXM (80 GB as sold: 85.9 GB)" in text and "ZeRO-0 over 8 GPUs" in text
     assert "fits on A100 SXM" in widgets.format_memory_plan(widgets.memory_plan(stage=3))
     assert "every block checkpointed" in widgets.format_memory_plan(widgets.memory_plan(checkpointing=True))
     assert "the attention core recomputed" in widgets.format_memory_plan(widgets.memory_plan(checkpointing="selective"))
@@ -85,7 +85,7 @@ def test_figure_has_a_bar_per_stage_and_category_and_the_memory_line():
     solid = [p for p in ax.patches if p.get_alpha() == 1.0]
     assert len(solid) == len(widgets.MEMORY_CATEGORIES)  # the chosen stage's bars
     assert sum(p.get_width() for p in solid) == pytest.approx(r["total"] / 1e9)
-    assert any(line.get_xdata()[0] == pytest.approx(80) for line in ax.lines)  # the A100's 80 GB
+    assert any(line.get_xdata()[0] == pytest.approx(80 * 2**30 / 1e9) for line in ax.lines)  # the A100's 80 GiB
 
 
 def test_memory_planner_recomputes_and_redraws():

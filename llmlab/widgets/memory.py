@@ -50,7 +50,8 @@ def memory_plan(model: str = "GPT-3 6.7B", batch_size: int = 1, seq_len: int | N
     over `data` data-parallel GPUs, `tensor`-way tensor parallelism, `checkpointing` one of the planner's
     CHECKPOINTING ("none", "selective": the attention core recomputed, "full": every block; or False / True)
     (`llmlab.memory.planner.plan`, 16-bit activations, 1-byte dropout masks as on CUDA), against `gpu`'s memory
-    from the spec sheet (llmlab.hardware.SPECS, GB = 1e9 bytes; the CUDA context's ≈0.5 GB is not counted).
+    from the spec sheet (llmlab.hardware.SPECS[gpu].memory_bytes: an "80 GB" card holds 80 GiB = 85.9e9 bytes; figures
+    here in GB = 1e9 bytes; the CUDA context's ≈0.5 GB is not counted).
 
     Returns a dict: plan (the planner.Plan), breakdown (its bytes by category), total, memory (the GPU's bytes),
     fits, by_stage (the Plan of every ZeRO stage 0–3 with the rest unchanged), num_params, config, and the inputs.
@@ -63,7 +64,7 @@ def memory_plan(model: str = "GPT-3 6.7B", batch_size: int = 1, seq_len: int | N
     by_stage = {s: planner.plan(config, batch_size, T, stage=s, data=data, tensor=tensor,
                                 checkpointing=checkpointing) for s in range(4)}
     validation.integer("stage", stage, 0, 3, hint="(the ZeRO stage; 0 is plain data parallel)")
-    p, memory = by_stage[stage], spec.memory_gb * 1e9
+    p, memory = by_stage[stage], spec.memory_bytes  # the capacity, GiB-based (specs.py)
     return {"model": model, "config": config, "num_params": planner.num_params(config), "batch_size": batch_size,
             "seq_len": T, "stage": stage, "data": data, "checkpointing": checkpointing, "tensor": tensor,
             "gpu": gpu, "plan": p, "breakdown": p.breakdown(), "total": p.total, "memory": memory,
@@ -82,7 +83,8 @@ def format_memory_plan(r: dict) -> str:
     return (f"{r['model']} ({count(r['num_params'])} params), micro-batch {r['batch_size']} × {r['seq_len']} "
             f"tokens, ZeRO-{r['stage']} over {r['data']} GPU{'s' * (r['data'] > 1)}, tensor parallel "
             f"{r['tensor']}, {_RECOMPUTE_SAYS[planner.checkpointing_mode(r['checkpointing'])]}: "
-            f"{parts} = {_gb(r['total'])} per GPU → {verdict} {r['gpu']} ({_gb(r['memory'])})")
+            f"{parts} = {_gb(r['total'])} per GPU → {verdict} {r['gpu']} ({gpu_spec(r['gpu']).memory_gb:g} GB "
+            f"as sold: {_gb(r['memory'])})")
 
 
 def memory_plan_figure(r: dict):
@@ -112,7 +114,7 @@ def memory_plan_figure(r: dict):
     ax.set_title(f"{r['model']}, ZeRO-{r['stage']} × {r['data']}, t = {r['tensor']}: {_gb(r['total'])} per GPU, "
                  f"{verdict}", fontsize=9)
     handles = [Patch(color=f"C{i}", label=label) for i, label in enumerate(MEMORY_CATEGORIES.values())]
-    handles.append(Line2D([], [], color="k", ls="--", lw=1, label=f"{r['gpu']}: {r['memory'] / 1e9:g} GB"))
+    handles.append(Line2D([], [], color="k", ls="--", lw=1, label=f"{r['gpu']}: {r['memory'] / 1e9:.1f} GB"))
     ax.legend(handles=handles, fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.2))
     return fig
 
