@@ -31,6 +31,8 @@ def remedies_predicted() -> Measurement:
     oom_seen = not oom.measure_config(config, B, budget).ok
     full = oom.measure_config(config, B)  # unbudgeted: what the step holds in full
     measured = oom.measure_remedies(ranked, budget)  # ZeRO on 2 real ranks; offload has no CPU counterpart
+    # per remedy: the saving measured (the full step's bytes less the remedy's) against the saving planned, - 1; a
+    # ZeRO rank holds exactly its plan, so its +0.0x% is the full step's AdamW step counters, in the measured saving
     predicted_oom = not base.fits(budget)
     rows, agree = {}, True
     for r in ranked:
@@ -42,14 +44,16 @@ def remedies_predicted() -> Measurement:
     def verdict(r: oom.Remedy) -> str:
         if r.name not in measured:
             return "predicted only: a CPU has no GPU memory to offload from"
-        return (f"measured {rows[r.name]:+.2%}, {'fits' if measured[r.name][1].ok else 'OOM'} under the budget")
+        return (f"measured saving vs planned {rows[r.name]:+.2%}, "
+                f"{'fits' if measured[r.name][1].ok else 'OOM'} under the budget")
 
     holds = predicted_oom and oom_seen and agree
     return Measurement(
         value={f"{k} saving measured/predicted - 1": v for k, v in rows.items()}, unit="fraction",
-        text=(f"tiny GPT ({config.n_layer} blocks) B={B}, fp32 AdamW, budget {budget / 1e6:.2f} MB: planner "
+        text=(f"tiny GPT ({config.n_layer} blocks) B={B}, fp32 AdamW, budget {oom.binary_size(budget)}: planner "
               f"{'predicts' if predicted_oom else 'does not predict'} the OOM, the enforced budget "
               f"{'raises it' if oom_seen else 'does not'}; remedies cheapest first (planned saving, fits?): "
-              + "; ".join(f"{r.name} {r.saving / 1e6:.2f} MB ({'fits' if r.fits else 'OOM'}; {verdict(r)})"
+              + "; ".join(f"{r.name} saves {oom.binary_size(r.saving)} planned ({'fits' if r.fits else 'OOM'}; "
+                          f"{verdict(r)})"
                           for r in ranked)),
         device=here(), verdict="holds" if holds else "wrong")
