@@ -7,10 +7,14 @@ runs `torch.nn.functional.scaled_dot_product_attention`), ZeRO's three stages (R
 offload of the gradients and optimizer state (ZeRO-Offload, Ren et al. 2021) and selective recompute of the attention
 core (Korthikanti et al. 2022 §5, `GPTConfig(recompute="selective")`). The planner (`llmlab.memory.planner`,
 after Rajbhandari et al. 2020 and Korthikanti et al. 2022) says what each one saves before anything runs, and the
-ranking puts the cheapest first (`COSTS`: what a remedy costs; the FLOPs a recompute adds; then the saving):
+ranking puts the cheapest first (`COSTS`: what a remedy costs, in an order that is a convention, not a time estimate;
+the FLOPs a recompute adds; then the saving). A GPU's budget is a fraction of its capacity in bytes, which vendors
+label in binary gigabytes (an "80 GB" A100 holds 80 GiB: `SPECS[...].memory_bytes`):
 
     from llmlab.diagnose import oom
-    report = oom.diagnose(GPTConfig.preset("gpt2"), batch_size=16, budget_bytes=80e9, data=8)
+    from llmlab.hardware import SPECS
+    report = oom.diagnose(GPTConfig.preset("gpt2"), batch_size=16, budget_bytes=0.9 * SPECS["A100 SXM"].memory_bytes,
+                          data=8)
     report.fits, report.over_bytes
     report.remedies        # [Remedy(name, change, cost, price, plan, saving, fits, step, extra_flops), ...]
 
