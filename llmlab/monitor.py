@@ -11,7 +11,11 @@ or WandB, while training runs. Practitioners add two figures that say more than 
   roofline's flat roof); `peak.source` says which, and is printed beside the figure. nvidia-smi's "GPU-Util" is
   another thing: the share of the sample period during which one or more kernels was executing (NVML's
   nvmlUtilization_t.gpu, https://docs.nvidia.com/deploy/nvml-api/structnvmlUtilization__t.html), however little
-  of the chip each kernel used, so a GPU at 100% util can run at a low MFU.
+  of the chip each kernel used, so a GPU at 100% util can run at a low MFU. 6N leaves out PaLM's attention term
+  (App. B: 12·L·H·Q·T more FLOPs per token, L layers, H heads of size Q, T tokens of context; nanoGPT's
+  estimate_mfu adds it); N is `num_params()` where the model has one (nanoGPT's: position embeddings left out).
+  A peak measured once (at `watch`) and a speed measured later can see different loads on a shared machine:
+  `interleaved_mfu(fn, flops)` times the peak matmul and `fn` (one update) in the same interleaved rounds instead.
 - **the update/weight ratio** ‖Δθ‖/‖θ‖ of each update, over all parameters ("update_ratio") and per parameter
   tensor (`update_ratios`): how far one update moved the weights, relative to their size. The cs231n notes
   (Karpathy, "Neural Networks Part 3", "Ratio of weights:updates", https://cs231n.github.io/neural-networks-3/#ratio)
