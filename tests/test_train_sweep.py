@@ -86,3 +86,9 @@ def test_progress_is_not_part_of_what_recent_matches(one_thread, capsys):
     assert warmup_sweep.recent(warmups=(0, 2), lrs=(1e-3,), seeds=(0,), steps=4, tail=2) is sweep
     with pytest.raises(ValueError, match="progress="):
         warmup_sweep(progress="no")
+
+
+def test_a_sweep_where_no_run_trained_says_so():
+    thrown = made({(0, 1e3): [2e10], (10, 1e3): [3e10]}, rises={(0, 1e3): 1e10, (10, 1e3): 2e10})
+    text = thrown.findings()
+    assert text.startswith("All 2 runs of 100 updates") and "no run trained" in text and "higher" not in text

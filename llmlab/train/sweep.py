@@ -123,6 +123,10 @@ class WarmupSweep:
             return (f"All {runs} diverged (a loss of inf or NaN), at every peak LR swept "
                     f"({', '.join(f'{lr:.0e}' for lr in self.lrs)}), with and without warmup: the sweep says nothing "
                     "about warmup; sweep lower learning rates.")
+        if not any(run.rise <= RISE for run in self.runs.values()):
+            return (f"All {runs} were thrown more than {RISE} nats above their starting loss (or diverged), at every "
+                    f"peak LR swept ({', '.join(f'{lr:.0e}' for lr in self.lrs)}), with and without warmup: no run "
+                    "trained, so the sweep says nothing about warmup; sweep lower learning rates.")
         none, warm, differences, direction = self.compare_best()
         stable = {w: self.highest_stable_lr(w) for w in self.warmups}
         said = ", ".join(f"{'none' if w == 0 else w}: {'none' if lr is None else f'{lr:.0e}'}"
