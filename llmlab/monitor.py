@@ -91,13 +91,10 @@ def device_peak(device=None, precision: str = "fp32", seconds: float = 0.5) -> P
     validation.one_of("precision", precision, PRECISIONS)
     if math.isinf(validation.positive("seconds", seconds)):
         raise ValueError(f"seconds={seconds!r} must be a finite number of seconds")
-    device = runtime.device() if device is None else torch.device(device)
+    device = runtime.usable_device(device)
     if device.type == "meta":  # a meta tensor holds no data: a "measured" matmul on it takes no time
         raise ValueError(f"device={str(device)!r} has no peak to measure: meta tensors compute nothing; give the "
                          "device the run trains on")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={str(device)!r}, but this torch sees no CUDA device (torch.cuda.is_available() "
-                         f"is False; torch {torch.__version__}, built with CUDA {torch.version.cuda})")
     row = hardware.for_device(hardware.device_name(device)) if device.type == "cuda" else None
     if row is not None:
         column = "bf16" if precision in ("bf16", "fp16") else (

@@ -56,6 +56,7 @@ __all__ = [
     "Preset",
     "tier",
     "device",
+    "usable_device",
     "backend",
     "configure_triton",
     "triton_interpreted",
@@ -258,6 +259,18 @@ def describe() -> str:
 # --- CUDA's calls with the CPU's counterparts: the one place llmlab calls torch.cuda ------------------------------
 
 _STATUS, _CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")  # Linux's per-process memory files
+
+
+def usable_device(where=None):
+    """`where` as a torch.device (None: this tier's device), refused with a ValueError naming it when it is CUDA and
+    this torch sees no CUDA device (a CPU build, or no GPU): the check every function taking a `device` needs."""
+    import torch  # torch loads in seconds: `import llmlab` stays light
+
+    d = _resolve(where)
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(where)!r}: CUDA is not available here (torch.cuda.is_available() is False; "
+                         f"torch {torch.__version__}, built with CUDA {torch.version.cuda})")
+    return d
 
 
 def _resolve(where):
@@ -548,9 +561,7 @@ def memory_history(device=None, *, path: str | Path | None = None, max_entries: 
 
     if isinstance(max_entries, bool) or not (isinstance(max_entries, int) and max_entries > 0):
         raise ValueError(f"max_entries={max_entries!r} must be an int > 0")
-    d = _resolve(device)
-    if d.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r}: CUDA is not available here (torch.cuda.is_available() is False)")
+    d = usable_device(device)
     if d.type not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: memory history is recorded on 'cpu' or 'cuda'")
     path = _snapshot_path(path)

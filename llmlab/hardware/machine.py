@@ -250,7 +250,7 @@ def matmul_peak(device=None, seconds: float = 0.5) -> tuple[float, int, timing.T
     search, on the threads torch uses now, in about `seconds` of rounds. Without the bandwidths, whose tensors
     exceed the last-level cache (up to 1 GiB each: seconds to allocate and sum on a server CPU)."""
     validation.positive("seconds", seconds)
-    device = runtime.device() if device is None else torch.device(device)
+    device = runtime.usable_device(device)
     n, _ = _search_n(device)
     t = timing.measure(_matmul(n, device), device=device, budget_s=seconds)
     return 2 * n**3 / t.seconds, n, t
