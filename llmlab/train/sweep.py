@@ -14,7 +14,7 @@ when no update after the first pushed its loss more than `RISE` nats above its s
 ln V): at too high an LR the first full-size updates throw the model above a uniform guess.
 
     from llmlab.train.sweep import warmup_sweep
-    sweep = warmup_sweep()            # ≈15 s on one CPU thread; warmup_sweep.recent() reuses the last sweep
+    sweep = warmup_sweep()            # 36 short runs; warmup_sweep.recent() reuses the last sweep
     sweep.rows()                      # a table: per peak LR, each warmup's loss (mean ± half-range over seeds)
     print(sweep.findings())           # the sentences, printed from the numbers
 
