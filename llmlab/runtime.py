@@ -266,7 +266,10 @@ def usable_device(where=None):
     this torch sees no CUDA device (a CPU build, or no GPU): the check every function taking a `device` needs."""
     import torch  # torch loads in seconds: `import llmlab` stays light
 
-    d = _resolve(where)
+    try:
+        d = _resolve(where)
+    except (RuntimeError, TypeError) as e:  # torch.device's own complaint about a name it cannot parse
+        raise ValueError(f"device={where!r} is not a torch device ({e})") from None
     if d.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={str(where)!r}: CUDA is not available here (torch.cuda.is_available() is False; "
                          f"torch {torch.__version__}, built with CUDA {torch.version.cuda})")

@@ -373,18 +373,9 @@ def _batch(config: GPTConfig, batch_size: int, device) -> tuple[torch.Tensor, to
 
 def _device(device) -> torch.device:
     """`device` as a torch.device, refused with a clear error where this build of torch cannot use it."""
-    try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device={device!r} is not a torch device ({e})") from None
+    d = runtime.usable_device(device)
     if d.type not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r}: the memory is measured on 'cpu' or 'cuda'")
-    if d.type == "cuda":
-        try:
-            runtime.device_properties(d)  # torch raises AssertionError on a CPU build, RuntimeError without a GPU
-        except (AssertionError, RuntimeError) as e:
-            raise ValueError(f"device={device!r}: CUDA is not usable here ({e}); use device='cpu' or "
-                             "runtime.device()") from None
     return d
 
 
