@@ -113,18 +113,15 @@ def interleaved_mfu(fn: Callable, flops: float, device=None, seconds: float = 1.
     method, `timing.interleave`): a busy machine slows both alike, so the ratio holds where a peak measured at
     another moment (`device_peak`, once at `watch`) would not. `fn` does `flops` model FLOPs per call (for a
     training update: 6N × its tokens). Returns (the matmul's Peak, from these rounds; the Rate: `.value` the MFU,
-    `.spread` over the rounds); n is `hardware.matmul_peak`'s (found in about 0.1 s)."""
+    `.spread` over the rounds); the matmul is `hardware.peak_matmul`'s."""
     if not callable(fn):
         raise ValueError(f"fn={fn!r} must be callable")
     validation.positive("flops", flops)
     if math.isinf(validation.positive("seconds", seconds)):
         raise ValueError(f"seconds={seconds!r} must be a finite number of seconds")
-    device = runtime.device() if device is None else torch.device(device)
-    _, n, _ = hardware.matmul_peak(device, seconds=0.05)  # only its n: the size that fills this device
-    a, b = (torch.randn(n, n, device=device) for _ in range(2))  # (n, n) each
-    c = torch.empty(n, n, device=device)  # (n, n)
-    rounds = timing.interleave({"peak": lambda: torch.matmul(a, b, out=c), "fn": fn}, device=device,
-                               budget_s=seconds)
+    device = runtime.usable_device(device)
+    n, product = hardware.peak_matmul(device)  # the roof's n×n fp32 product, n the size that fills this device
+    rounds = timing.interleave({"peak": product, "fn": fn}, device=device, budget_s=seconds)
     matmul, threads = rounds["peak"], torch.get_num_threads()
     peak = Peak(2 * n**3 / matmul.seconds,
                 f"measured: fp32 {n}×{n} matmul on {hardware.device_name(device)}, {threads} thread"

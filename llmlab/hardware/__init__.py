@@ -8,8 +8,8 @@ measured (`measure`).
 """
 
 from llmlab.hardware import roofline
-from llmlab.hardware.machine import Measured, Rate, device_name, matmul_peak, measure
+from llmlab.hardware.machine import Measured, Rate, device_name, matmul_peak, measure, peak_matmul
 from llmlab.hardware.specs import SPECS, Spec, cpu_peak_tflops, for_device, spec
 
-__all__ = ["Measured", "Rate", "device_name", "measure", "matmul_peak", "roofline", "SPECS", "Spec", "spec",
-           "for_device", "cpu_peak_tflops"]
+__all__ = ["Measured", "Rate", "device_name", "measure", "matmul_peak", "peak_matmul", "roofline", "SPECS", "Spec",
+           "spec", "for_device", "cpu_peak_tflops"]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +43,7 @@ import torch
 from llmlab import runtime, timing, validation
 from llmlab.hardware import roofline
 
-__all__ = ["Measured", "Rate", "device_name", "cache_bytes", "measure", "matmul_peak"]
+__all__ = ["Measured", "Rate", "device_name", "cache_bytes", "measure", "matmul_peak", "peak_matmul"]
 
 PEAK, READ, COPY = "matmul", "read", "copy"  # the names of the machine's own kernels in `Measured.rounds`
 MIN_PRODUCT_S = 0.01  # the search for n stops once one product takes this long: milliseconds, not microseconds
@@ -245,14 +246,22 @@ def _search_n(device) -> tuple[int, tuple[tuple[int, float], ...]]:
         n *= 2
 
 
+def peak_matmul(device=None) -> tuple[int, Callable[[], object]]:
+    """(n, a function computing one fp32 n×n product): the matmul `measure` times for the roof's flat part, n found
+    by the same search, for a caller to time beside its own work."""
+    device = runtime.usable_device(device)
+    n, _ = _search_n(device)
+    return n, _matmul(n, device)
+
+
 def matmul_peak(device=None, seconds: float = 0.5) -> tuple[float, int, timing.Timing]:
     """The roof's flat part alone: (FLOP/s, n, Timing) of the fp32 n×n matmul `measure` times, n found by the same
     search, on the threads torch uses now, in about `seconds` of rounds. Without the bandwidths, whose tensors
     exceed the last-level cache (up to 1 GiB each: seconds to allocate and sum on a server CPU)."""
     validation.positive("seconds", seconds)
     device = runtime.usable_device(device)
-    n, _ = _search_n(device)
-    t = timing.measure(_matmul(n, device), device=device, budget_s=seconds)
+    n, product = peak_matmul(device)
+    t = timing.measure(product, device=device, budget_s=seconds)
     return 2 * n**3 / t.seconds, n, t
 
 
