@@ -58,6 +58,7 @@ __all__ = [
     "device",
     "usable_device",
     "backend",
+    "group_device",
     "configure_triton",
     "triton_interpreted",
     "preset",
@@ -138,6 +139,15 @@ def device():
     if _on_cpu() or os.environ.get("LLMLAB_RANK_DEVICE") == "cpu":
         return torch.device("cpu")
     return torch.device("cuda", _local_rank() % t.n_gpus)
+
+
+def group_device(group=None):
+    """Where a collective over `group` (default: the default group) takes its tensors: cuda:LOCAL_RANK under NCCL,
+    which moves only CUDA tensors; the CPU under gloo."""
+    import torch  # torch loads in seconds: `import llmlab` stays light
+    import torch.distributed as td  # the same
+
+    return device() if td.get_backend(group) == "nccl" else torch.device("cpu")
 
 
 def backend(world_size: int = 1) -> str:

@@ -24,6 +24,15 @@ before it moves. The median is also what a learner's machine does now, not what 
 `MAX_SPREAD` is not conclusive: its `note()` says so, to be printed beside it, and `Comparison.direction` answers
 "not conclusive" instead of "faster" or "slower" when the ratio's interquartile range straddles the threshold.
 
+**On several ranks, the ranks decide alike.** A function timed on every rank of a process group may hold a
+collective (a DDP step's all-reduce), and a collective must be called as often on every rank, or the ranks wait
+for one another for ever. So where torch.distributed is initialised (`group="auto"`, the default), `interleave`
+agrees across the group's ranks on every choice it makes from a clock: the calls per round (the most any rank
+asked for) and when to stop (once a rank has spent `budget_s`, or once every rank's spread has settled), with
+one small all-reduce after each round, outside the timed span. Rounds, calls and the order are then the same on
+every rank; each rank keeps its own seconds. Pass `group=None` to time on one rank alone (its peers not
+calling), or a process group to agree within it.
+
 Measurements that must run elsewhere (every rank of a cluster times its own rounds) build their figures from
 their samples with `Timing.from_samples`, so they are summarised, and their spread judged, the same way.
 
@@ -40,6 +49,7 @@ import functools
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -229,14 +239,46 @@ def _check(name, value, low, kind=int) -> None:
         raise ValueError(f"{name}={value!r} must be {'a number' if kind is float else 'an integer'} >= {low}")
 
 
+def _agreeing(group):
+    """The process group whose ranks must decide alike (see the module's docstring), or None to decide alone."""
+    if group is None:
+        return None
+    if isinstance(group, str) and group != "auto":
+        raise ValueError(f"group={group!r} must be 'auto', None or a torch.distributed process group")
+    td = sys.modules.get("torch.distributed")  # never imported: no group can be initialised (and none is loaded)
+    if td is None or not (td.is_available() and td.is_initialized()):
+        if isinstance(group, str):
+            return None
+        raise ValueError("group= names a process group, but torch.distributed is not initialised")
+    group = td.group.WORLD if isinstance(group, str) else group
+    if td.get_rank(group) < 0:
+        raise ValueError(f"group: this process (global rank {td.get_rank()}) is not a member of it")
+    return group if td.get_world_size(group) > 1 else None
+
+
+def _most(values: list[float], group) -> list[float]:
+    """Each of `values`' largest value over the ranks of `group` (a MAX all-reduce); `values` itself alone."""
+    if group is None:
+        return values
+    import torch  # loaded already: a group is initialised (_agreeing)
+    import torch.distributed as td  # the same
+
+    most = torch.tensor(values, dtype=torch.float64, device=runtime.group_device(group))  # (len(values),)
+    td.all_reduce(most, op=td.ReduceOp.MAX, group=group)
+    return most.tolist()
+
+
 def interleave(fns: dict, *, device=None, warmup: int = 1, min_rounds: int = 5, max_rounds: int = 30,
-               budget_s: float = 1.0, target_spread: float = 0.05, min_round_s: float = 2e-3) -> Rounds:
+               budget_s: float = 1.0, target_spread: float = 0.05, min_round_s: float = 2e-3,
+               group="auto") -> Rounds:
     """Time every function of `fns` ({name: fn}) in interleaved rounds; see the module's docstring for the method.
 
     On a CUDA `device` the clock is read only after `torch.cuda.synchronize` (`runtime.synchronize`), so a round
     is the kernels' time, not their launch's. Rounds stop once every function's spread, or every ratio to the first
     function, is at most `target_spread` (after `min_rounds`), when `budget_s` seconds of rounds are spent, or at
-    `max_rounds`.
+    `max_rounds`. `group`: whose ranks decide the calls per round and the stop alike — "auto" (the default group
+    where torch.distributed is initialised, else none), None (this process alone) or a process group; every rank
+    of it must then call `interleave` with the same functions and arguments.
     """
     if not isinstance(fns, dict) or not fns or not all(callable(f) for f in fns.values()):
         raise ValueError(f"fns={fns!r} must be a non-empty dict of {{name: function}}")
@@ -246,6 +288,7 @@ def interleave(fns: dict, *, device=None, warmup: int = 1, min_rounds: int = 5, 
     _check("budget_s", budget_s, 0, float)
     _check("target_spread", target_spread, 0, float)
     _check("min_round_s", min_round_s, 0, float)
+    group = _agreeing(group)
     names = list(fns)
     load = Load.now()
     calls = {}
@@ -258,6 +301,7 @@ def interleave(fns: dict, *, device=None, warmup: int = 1, min_rounds: int = 5, 
         synchronize(device)
         one = time.perf_counter() - start
         calls[name] = max(1, min(1000, math.ceil(min_round_s / one))) if one > 0 else 1000
+    calls = dict(zip(names, (int(c) for c in _most([calls[n] for n in names], group)), strict=True))
     samples = {name: [] for name in names}
     started = time.perf_counter()
     for r in range(max_rounds):
@@ -276,7 +320,9 @@ def interleave(fns: dict, *, device=None, warmup: int = 1, min_rounds: int = 5, 
             paired = len(names) > 1 and all(
                 _spread([a / b if b > 0 else math.inf for a, b in zip(s, first, strict=True)]) <= target_spread
                 for s in list(samples.values())[1:])
-            if alone or paired or time.perf_counter() - started >= budget_s:
+            unsettled, spent = _most([float(not (alone or paired)), float(time.perf_counter() - started >= budget_s)],
+                                     group)
+            if spent or not unsettled:
                 break
     load = load.busier(Load.now())
     return Rounds({name: Timing(tuple(samples[name]), calls[name], load) for name in names}, load)

@@ -135,6 +135,8 @@ def test_timings_measured_elsewhere_are_judged_alike():
     (lambda: timing.measure(print, budget_s="1"), "budget_s='1' must be a number >= 0"),
     (lambda: timing.interleave({}), "fns={} must be a non-empty dict"),
     (lambda: timing.interleave({"a": 3}), "must be a non-empty dict of {name: function}"),
+    (lambda: timing.measure(print, group="world"), "group='world' must be 'auto', None or a torch.distributed"),
+    (lambda: timing.measure(print, group=object()), "names a process group, but torch.distributed is not init"),
 ])
 def test_bad_arguments(call, match):
     with pytest.raises(ValueError, match=match):
@@ -154,3 +156,60 @@ def test_remembered_measures_at_every_call_and_recent_reuses_the_last():
     assert measured(5) == 2 and measured.recent(5) == 2  # a call re-measures; recent follows it
     assert measured.recent(5, scale=3) == 9 and measured.recent(6) == 4  # other arguments, other results
     assert measured.__name__ == "measured"
+
+
+def _timed_collectives(trials: int, slow_rank: int, group):
+    """On every rank: `trials` timings of a function that all-reduces, where rank `slow_rank` is slowed by a random
+    sleep (so its calls per round, its spread and its clock differ from its peers') and every rank has a budget
+    and round length of its own. Returns (rounds, calls) of each trial."""
+    import random
+    import time
+
+    import torch.distributed as td
+
+    rank = td.get_rank()
+    rng = random.Random()  # fresh noise on every run and rank
+    x = torch.ones(3)
+
+    def step():
+        if rank == slow_rank:
+            time.sleep(rng.uniform(0, 3e-4))
+        td.all_reduce(x)  # every rank must call this as often as its peers do
+
+    seen = []
+    for _ in range(trials):
+        t = timing.measure(step, warmup=1, min_rounds=2, max_rounds=12, budget_s=rng.uniform(0, 4e-3),
+                           target_spread=rng.choice([0.0, 0.05, 1.0]), min_round_s=rng.uniform(0, 3e-3), group=group)
+        seen.append((len(t.samples), t.calls))
+    return seen
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_timing_a_collective_agree_on_calls_and_rounds_so_none_hangs(clusters, world_size):
+    """Issue 27: a DDP step timed on every rank deadlocked when one rank stopped its rounds early. 300 timings of a
+    collective-bearing function, one rank slow and noisy, every clock and budget its own: the ranks must run the
+    same rounds of the same calls every time (a disagreement would be a hang, caught by the timeout)."""
+    cluster = clusters(world_size)
+    seen = cluster.run(_timed_collectives, 300, world_size - 1, "auto", timeout=240)
+    assert all(s == seen[0] for s in seen), [sum(a != b for a, b in zip(s, seen[0])) for s in seen]
+    assert len({calls for _, calls in seen[0]}) > 1, "the calls per round never varied: the test tests nothing"
+    assert len({rounds for rounds, _ in seen[0]}) > 1, "the rounds never varied: the test tests nothing"
+
+
+def _sleepy_timing(trials: int, group):
+    import time
+
+    import torch.distributed as td
+
+    slow = 1e-3 * (1 + 3 * td.get_rank())  # rank 0 sleeps 1 ms, rank 1 4 ms: 8 ms rounds of 4+ calls and of 2
+    return [timing.measure(lambda: time.sleep(slow), warmup=0, min_rounds=1, max_rounds=3, budget_s=0,
+                           min_round_s=8e-3, group=group).calls for _ in range(trials)]
+
+
+def test_alone_each_rank_decides_for_itself_and_with_its_group_they_agree(clusters):
+    """What the agreement changes: with group=None a slower rank calls its function fewer times per round than its
+    peer (harmless here, a deadlock with a collective inside); by default the ranks take the most any asked for."""
+    alone = clusters(2).run(_sleepy_timing, 3, None)
+    agreed = clusters(2).run(_sleepy_timing, 3, "auto")
+    assert alone[0] != alone[1], alone
+    assert agreed[0] == agreed[1], agreed

@@ -98,7 +98,7 @@ def _meta_device(tensor, group) -> torch.device:
     """Where the metadata goes: beside the tensor, or where the backend wants it when there is no tensor."""
     if isinstance(tensor, torch.Tensor):
         return tensor.device
-    return runtime.device() if td.get_backend(group) == "nccl" else torch.device("cpu")  # NCCL: cuda:LOCAL_RANK
+    return runtime.group_device(group)
 
 
 def _first_difference(values: list, what: str, show=str) -> str | None:
