@@ -191,7 +191,7 @@ def test_ranks_timing_a_collective_agree_on_calls_and_rounds_so_none_hangs(clust
     same rounds of the same calls every time (a disagreement would be a hang, caught by the timeout)."""
     cluster = clusters(world_size)
     seen = cluster.run(_timed_collectives, 300, world_size - 1, "auto", timeout=240)
-    assert all(s == seen[0] for s in seen), [sum(a != b for a, b in zip(s, seen[0])) for s in seen]
+    assert all(s == seen[0] for s in seen), [sum(a != b for a, b in zip(s, seen[0], strict=True)) for s in seen]
     assert len({calls for _, calls in seen[0]}) > 1, "the calls per round never varied: the test tests nothing"
     assert len({rounds for rounds, _ in seen[0]}) > 1, "the rounds never varied: the test tests nothing"
 
