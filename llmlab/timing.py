@@ -55,8 +55,8 @@ from dataclasses import dataclass
 
 from llmlab import runtime
 
-__all__ = ["MAX_SPREAD", "Load", "Timing", "Comparison", "Rounds", "synchronize", "interleave", "measure",
-           "compare", "remembered"]
+__all__ = ["MAX_SPREAD", "Load", "Timing", "Comparison", "Rounds", "synchronize", "agree_max", "interleave",
+           "measure", "compare", "remembered"]
 
 MAX_SPREAD = 0.2  # a figure whose rounds spread more than ±20% around their median is not conclusive
 
@@ -266,6 +266,12 @@ def _most(values: list[float], group) -> list[float]:
     most = torch.tensor(values, dtype=torch.float64, device=runtime.group_device(group))  # (len(values),)
     td.all_reduce(most, op=td.ReduceOp.MAX, group=group)
     return most.tolist()
+
+
+def agree_max(values, group="auto") -> list[float]:
+    """Each of `values` (numbers this rank measured) replaced by its largest value over the ranks of `group`
+    ("auto", None or a process group, as for `interleave`), so that every rank takes the same decision from it."""
+    return _most([float(v) for v in values], _agreeing(group))
 
 
 def interleave(fns: dict, *, device=None, warmup: int = 1, min_rounds: int = 5, max_rounds: int = 30,

@@ -292,20 +292,16 @@ def _time_on_rank(sizes, repeats: int, span_s: float, impls=IMPLS) -> dict:
         sync()
         return time.perf_counter() - start
 
-    def slowest(seconds):  # (sizes · impls,) → the slowest rank's, so that every rank decides alike
-        worst = torch.tensor(seconds, dtype=torch.float64, device=device)
-        td.all_reduce(worst, op=td.ReduceOp.MAX)
-        return worst.tolist()
-
     # seconds per call of each (size, impl): the fastest of _CALIBRATE calls, or of one where that one took over
-    # 4·span_s on some rank (the same number of calls on every rank: a collective must be called by all). The
+    # 4·span_s on some rank (the same number of calls on every rank: a collective must be called by all, so each
+    # decision is taken from the slowest rank's figure, timing.agree_max). The
     # fastest: a burst of span_s / fastest calls then averages over several calls even when the OS delays some
     pairs = [(op, x) for x in buffers for op in ops.values()]
     first, one = [timed_call(op, x) for op, x in pairs], []
-    for (op, x), t, worst in zip(pairs, first, slowest(first), strict=True):
+    for (op, x), t, worst in zip(pairs, first, timing.agree_max(first), strict=True):
         more = [timed_call(op, x) for _ in range(_CALIBRATE - 1)] if worst < 4 * span_s else []
         one.append(min([t, *more]))
-    counts = [min(_MAX_CALLS, max(1, math.ceil(span_s / w))) if w > 0 else _MAX_CALLS for w in slowest(one)]
+    counts = [min(_MAX_CALLS, max(1, math.ceil(span_s / w))) if w > 0 else _MAX_CALLS for w in timing.agree_max(one)]
     calls = {impl: [counts[i * len(impls) + j] for i in range(len(sizes))] for j, impl in enumerate(impls)}
     spans = {impl: [[] for _ in sizes] for impl in impls}
     for rep in range(repeats):
