@@ -91,7 +91,7 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, scales_ptr, T_Q, T_K, D
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
     q = _tile(q_ptr, rows, T_Q, D, BLOCK_D, WIDEN)  # (BLOCK_M, BLOCK_D)
     m = tl.full((BLOCK_M,), float("-inf"), ACC)  # running row max of S · log2 e
-    l = tl.zeros((BLOCK_M,), ACC)  # running Σ exp2(s − m)
+    denom = tl.zeros((BLOCK_M,), ACC)  # running Σ exp2(s − m)
     acc = tl.zeros((BLOCK_M, BLOCK_D), ACC)  # running unnormalised O
     end = T_K
     if CAUSAL:
@@ -104,11 +104,11 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, scales_ptr, T_Q, T_K, D
         m_new = tl.maximum(m, tl.max(s, 1))  # finite: key 0 is in the first block, seen by every row
         alpha = tl.exp2(m - m_new)  # (BLOCK_M,) how much the blocks before shrink
         p = tl.exp2(s - m_new[:, None])  # (BLOCK_M, BLOCK_N)
-        l = l * alpha + tl.sum(p, 1)
+        denom = denom * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION, out_dtype=ACC)
         m = m_new
-    _put(o_ptr, acc / l[:, None], rows, T_Q, D, BLOCK_D, WIDEN)
-    tl.store(lse_ptr + bh * T_Q + rows, m + tl.log2(l), mask=rows < T_Q)  # L · log2 e (the launcher: × ln 2)
+    _put(o_ptr, acc / denom[:, None], rows, T_Q, D, BLOCK_D, WIDEN)
+    tl.store(lse_ptr + bh * T_Q + rows, m + tl.log2(denom), mask=rows < T_Q)  # L · log2 e (the launcher: × ln 2)
 
 
 @triton.jit
@@ -342,3 +342,81 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
         acc = acc * alpha[..., None] + p @ vf[..., start:start + block, :]
         m = m_new
     return (acc / denom[..., None]).to(q.dtype), m + torch.log(denom)
+
+
+# -- the bench -------------------------------------------------------------------------------------------------
+def written_out(q, k, v, causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    """Attention as the formula reads, softmax(Q Kᵀ · scale) V with the (Tq, Tk) matrix materialised: the memory
+    FlashAttention avoids (the bench counts what autograd saves of it)."""
+    s = q @ k.transpose(-1, -2) * _scale(scale, q.shape[-1])  # (B, H, Tq, Tk)
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=q.device).triu(1), -math.inf)
+    return torch.softmax(s, dim=-1) @ v  # (B, H, Tq, d)
+
+
+CPU_TOKENS = (64, 128, 256)  # the CPU bench's sequence lengths: saved bytes against T
+GPU_TOKENS = (1024, 2048, 4096, 8192, 16384)
+TARGETS = {"forward": 1.0, "backward": 0.8}  # of SDPA's speed, on a GPU (issue 29)
+
+
+def bench(sizes=None) -> list[dict]:
+    """On the CPU tier: per sequence length, the bytes autograd saves for backward beyond q, k, v — FlashAttention
+    (O and L: linear in T) against attention written out (the (T, T) probabilities: quadratic) — and the largest
+    error of O and of dQ, dK, dV against float64 SDPA. On a GPU: `sweep`."""
+    from llmlab.memory.measure import saved_activation_bytes  # the bench's tool, not the kernel's
+
+    if runtime.tier().is_gpu:
+        return sweep(sizes)
+    rows = []
+    for T in sizes or CPU_TOKENS:
+        q, k, v = (torch.randn(1, 2, T, 32, requires_grad=True) for _ in range(3))  # (B, H, T, d)
+        o, flash_bytes = saved_activation_bytes(attention, q, k, v, causal=True, exclude=(q, k, v))
+        _, naive_bytes = saved_activation_bytes(written_out, q, k, v, causal=True, exclude=(q, k, v))
+        g = torch.randn_like(o)  # (B, H, T, d)
+        grads = torch.autograd.grad(o, (q, k, v), g)
+        wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        exact = torch.nn.functional.scaled_dot_product_attention(*wide, is_causal=True)
+        exact_grads = torch.autograd.grad(exact, wide, g.double())
+        rows.append({"impl": "flash attention (triton, interpreted)", "peer": "attention written out", "size": T,
+                     "d": 32, "causal": True, "impl_saved_bytes": flash_bytes, "peer_saved_bytes": naive_bytes,
+                     "ratio": flash_bytes / naive_bytes,
+                     "max_err_out": (o.double() - exact).abs().max().item(),
+                     "max_err_grads": max((a.double() - b).abs().max().item()
+                                          for a, b in zip(grads, exact_grads, strict=True))})
+    return rows
+
+
+def sweep(sizes=None) -> list[dict]:
+    """The GPU bench: bf16, d 64 and 128, causal, at `sizes` tokens (1k–16k), B·T = 16k tokens and H·d = 2048;
+    forward and backward each timed against `torch.nn.functional.scaled_dot_product_attention` (its fastest
+    backend here) in the same interleaved rounds. TFLOP/s count 4·B·H·T²·d for the forward and 2.5× that for the
+    backward (five matmuls against two), halved for causal. `of_sdpa` = SDPA's time / ours: ≥ 1 is as fast as it
+    (targets `TARGETS`). Under smoke mode the same code runs on the CPU, interpreted, on tiny sizes."""
+    from llmlab.timing import compare  # the bench's clock, not the kernel's
+
+    device = runtime.device()
+    real = device.type == "cuda"
+    rows = []
+    for d in (64, 128) if real else (16, 24):
+        for T in sizes or (GPU_TOKENS if real else (32, 48)):
+            B, H = max(1, 16384 // T) if real else 1, 2048 // d if real else 2
+            q, k, v = (torch.randn(B, H, T, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))  # (B, H, T, d)
+            sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, is_causal=True)
+            ours = functools.partial(attention, causal=True)
+            outs = {name: fn(q, k, v) for name, fn in (("ours", ours), ("sdpa", sdpa))}
+            g = torch.randn_like(outs["ours"])
+            backward = {name: functools.partial(torch.autograd.grad, o, (q, k, v), g, retain_graph=True)
+                        for name, o in outs.items()}
+            flops = 4 * B * H * T * T * d / 2  # causal: half the (T, T) blocks
+            err = ((outs["ours"].float() - outs["sdpa"].float()).norm() / outs["sdpa"].float().norm()).item()
+            for part, impl, peer, work in (("forward", functools.partial(ours, q, k, v),
+                                            functools.partial(sdpa, q, k, v), flops),
+                                           ("backward", backward["ours"], backward["sdpa"], 2.5 * flops)):
+                c = compare(impl, peer, device=device)
+                rows.append({"impl": f"flash attention {part} (triton)", "peer": f"SDPA {part}", "size": T, "d": d,
+                             "batch": B, "heads": H, "dtype": "bfloat16", "causal": True, **c.row(),
+                             "impl_TFLOP/s": work / c.impl.seconds / 1e12, "peer_TFLOP/s": work / c.peer.seconds / 1e12,
+                             "of_sdpa": 1 / c.ratio, "target": TARGETS[part],
+                             "meets": "yes" if 1 / c.ratio >= TARGETS[part] else "no", "rel_err_out": err})
+    return rows

@@ -32,6 +32,7 @@ __all__ = ["BENCHES", "names", "get", "record", "run", "shown", "markdown_table"
 BENCHES: dict[str, str] = {
     "vector_add": "llmlab.kernels.vector_add:bench",
     "gemm": "llmlab.kernels.gemm:bench",
+    "attention": "llmlab.kernels.attention:bench",
     "quant": "llmlab.quant:bench",
     "precision": "llmlab.precision:bench",
     "checkpoint": "llmlab.memory.checkpoint:bench",
