@@ -2,21 +2,18 @@
 
 A batch is split into m micro-batches. Stage s (rank s of p) runs its layers on each micro-batch, sends the
 activation to stage s+1, and later receives the gradient of that activation back from s+1, runs backward and
-sends the gradient of its input to s-1. Two schedules of the same work:
+sends the gradient of its input to s-1. Which rank runs what when is a schedule, kept as data in
+`llmlab.parallel.schedules` (re-exported here): GPipe (Huang et al. 2019), 1F1B (PipeDream-Flush; Narayanan et
+al. 2021, §2.2.1), interleaved 1F1B with v model chunks per rank (§2.2.2) and the zero-bubble ZB-H1 (Qi et al.
+2023, simulated only). With every stage equally fast, GPipe and 1F1B leave each rank idle (p-1)/(m+p-1) of the
+step, interleaving (p-1)/(v·m+p-1) (the paper's (p-1)/(v·m) of the ideal time; see `schedules` for both forms).
+GPipe holds the activations of all m micro-batches at once, 1F1B at most p-s on stage s: memory bounded by p.
 
-- GPipe (Huang et al. 2019): every forward, then every backward. A stage holds the activations of all m
-  micro-batches at once.
-- 1F1B (PipeDream-Flush; Narayanan et al. 2021, §2.2): stage s warms up with p-s-1 forwards, then alternates
-  one forward and one backward, then cools down with the remaining backwards. It holds at most p-s
-  micro-batches' activations: memory bounded by p, not m.
-
-Both leave each stage idle for the same "bubble": (p-1) of the (m+p-1) slots of the pipeline, so the bubble
-fraction is (p-1)/(m+p-1) when every stage takes the same time per micro-batch. `simulate` computes the
-timeline of a schedule from per-micro-batch times; `pipeline_step` runs it for real on ranks and records
-its own timeline (an `llmlab.timeline.Timeline` of forward "F" and backward "B" spans, one lane per stage);
-`llmlab.plots.plot_timeline` draws either one. `measured_bubble` summarises the bubble of several real steps (median
-and spread, as `llmlab.timing` judges any figure). `SimulatedCompute` stands in for a stage's device time where the
-ranks share a few CPU cores (see its docstring for why a measured bubble needs it there).
+`simulate` computes the timeline of a schedule from per-micro-batch times; `pipeline_step` runs it for real on
+ranks and records its own timeline (an `llmlab.timeline.Timeline` of forward "F" and backward "B" spans, one lane
+per rank); `llmlab.plots.plot_timeline` draws either one. `measured_bubble` summarises the bubble of several real
+steps (median and spread, as `llmlab.timing` judges any figure). `SimulatedCompute` stands in for a stage's device
+time where the ranks share a few CPU cores (see its docstring for why a measured bubble needs it there).
 
     from llmlab import dist
     from llmlab.parallel import pipeline
@@ -25,108 +22,39 @@ ranks share a few CPU cores (see its docstring for why a measured bubble needs i
         stage = pipeline.partition(seq, td.get_world_size())[td.get_rank()]
         return pipeline.pipeline_step(stage, batch, target, torch.nn.functional.mse_loss, micro_batches=4)
 
+    def interleaved(seq, batch, target, v):     # rank s holds pieces s, s+p, s+2p, …: its v chunks
+        p, s = td.get_world_size(), td.get_rank()
+        chunks = pipeline.partition(seq, p * v)[s::p]
+        return pipeline.pipeline_step(chunks, batch, target, torch.nn.functional.mse_loss, 4, "interleaved")
+
 Under torchrun, call `dist.init_from_env()` first and the same function on every rank.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as td
 
 from llmlab import timing, validation
 from llmlab.memory.measure import SavedActivations
+from llmlab.parallel.schedules import (
+    KINDS,
+    SCHEDULES,
+    Action,
+    bubble_fraction,
+    bubble_ratio,
+    peak_in_flight,
+    schedule,
+    simulate,
+    zb_h1_bubble_fraction,
+)
 from llmlab.timeline import Span, Timeline
 
-__all__ = ["SCHEDULES", "Action", "schedule", "simulate", "bubble_fraction", "peak_in_flight", "partition",
-           "SimulatedCompute", "measured_bubble", "pipeline_step"]
-
-SCHEDULES = ("gpipe", "1f1b")
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: str  # "F" or "B"
-    micro_batch: int
-
-
-def peak_in_flight(timeline: Timeline) -> list[int]:
-    """Per stage of a pipeline's `timeline`: the most micro-batches whose forward had run but not yet their
-    backward (whose activations the stage held at once)."""
-    peaks = []
-    for stage in timeline.lanes:
-        live = peak = 0
-        for s in timeline.on(stage):
-            live += 1 if s.kind == "F" else -1
-            peak = max(peak, live)
-        peaks.append(peak)
-    return peaks
-
-
-def bubble_fraction(stages: int, micro_batches: int) -> float:
-    """(p-1)/(m+p-1): the pipeline bubble with equal time per stage."""
-    _check_sizes(stages, micro_batches)
-    return (stages - 1) / (micro_batches + stages - 1)
-
-
-def _check_sizes(stages, micro_batches) -> None:
-    validation.integer("stages", stages, low=1)
-    validation.integer("micro_batches", micro_batches, low=1)
-
-
-def schedule(kind: str, stages: int, micro_batches: int) -> list[list[Action]]:
-    """Each stage's actions in the order it runs them."""
-    _check_sizes(stages, micro_batches)
-    validation.one_of("kind", kind, SCHEDULES)
-    m = micro_batches
-    plans = []
-    for s in range(stages):
-        if kind == "gpipe":
-            plans.append([Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)])
-            continue
-        warmup = min(stages - s - 1, m)
-        plan = [Action("F", i) for i in range(warmup)]
-        for i in range(m - warmup):  # steady state: one forward, one backward
-            plan += [Action("F", warmup + i), Action("B", i)]
-        plan += [Action("B", i) for i in range(m - warmup, m)]  # cool-down
-        plans.append(plan)
-    return plans
-
-
-def simulate(kind: str, stages: int, micro_batches: int, t_forward: float = 1.0,
-             t_backward: float = 2.0) -> Timeline:
-    """The timeline of `schedule(kind, …)` when each forward takes t_forward and each backward t_backward.
-
-    An action starts when its stage is free and its input is there: F(s, i) needs F(s-1, i), B(s, i) needs
-    B(s+1, i) (and F(s, i)). Sends are taken as instantaneous.
-    """
-    validation.positive("t_forward", t_forward)
-    validation.positive("t_backward", t_backward)
-    plans = schedule(kind, stages, micro_batches)
-    done: dict[tuple[int, str, int], float] = {}
-    position, free_at, spans = [0] * stages, [0.0] * stages, []
-    while any(position[s] < len(plans[s]) for s in range(stages)):
-        progressed = False
-        for s in range(stages):
-            if position[s] == len(plans[s]):
-                continue
-            a = plans[s][position[s]]
-            need = [(s - 1, "F", a.micro_batch)] if a.kind == "F" and s > 0 else []
-            if a.kind == "B":
-                need = [(s, "F", a.micro_batch)] + ([(s + 1, "B", a.micro_batch)] if s < stages - 1 else [])
-            if all(n in done for n in need):
-                start = max([free_at[s]] + [done[n] for n in need])
-                end = start + (t_forward if a.kind == "F" else t_backward)
-                done[(s, a.kind, a.micro_batch)] = free_at[s] = end
-                spans.append(Span(s, a.kind, a.micro_batch, start, end))
-                position[s] += 1
-                progressed = True
-        if not progressed:  # cannot happen for these schedules; guards a wrong one against looping forever
-            raise RuntimeError(f"schedule {kind!r} deadlocks: {[plans[s][position[s]] for s in range(stages)]}")
-    return Timeline(tuple(spans), lane_name="stage")
-
+__all__ = ["SCHEDULES", "KINDS", "Action", "schedule", "simulate", "bubble_ratio", "bubble_fraction",
+           "zb_h1_bubble_fraction", "peak_in_flight", "partition", "SimulatedCompute", "measured_bubble",
+           "pipeline_step"]
 
 def partition(layers: torch.nn.Sequential, stages: int) -> list[torch.nn.Sequential]:
     """Cut `layers` into `stages` consecutive pieces of (nearly) equal length."""
@@ -187,21 +115,25 @@ def measured_bubble(timelines) -> timing.Comparison:
     return timing.Comparison(idle, makespan, tuple(t.idle for t in timelines))
 
 
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # what an activation with a gradient can be
+
+
 def _send(t: torch.Tensor, dst: int, group, header: bool) -> list:
-    """Send a tensor, after its shape when `header` (isend: never blocks, so no schedule can deadlock on it)."""
+    """Send a tensor, after its dtype and shape when `header` (isend: never blocks, so no schedule can deadlock on
+    it). The header tells the receiver what to allocate: its chunk may hold no parameters to take a dtype from."""
     works = []
     if header:
-        shape = torch.tensor([t.dim(), *t.shape], dtype=torch.long)
-        works += [td.isend(x, dst, group=group) for x in (torch.tensor([shape.numel()]), shape)]
+        head = torch.tensor([_DTYPES.index(t.dtype), *t.shape], dtype=torch.long)  # (1 + t.dim(),)
+        works += [td.isend(x, dst, group=group) for x in (torch.tensor([head.numel()]), head)]
     return works + [td.isend(t.contiguous(), dst, group=group)]
 
 
-def _recv_shape(src: int, group) -> list[int]:
+def _recv_header(src: int, group) -> tuple[list[int], torch.dtype]:
     size = torch.empty(1, dtype=torch.long)
     td.recv(size, src, group=group)
-    shape = torch.empty(int(size), dtype=torch.long)
-    td.recv(shape, src, group=group)
-    return shape[1:].tolist()
+    head = torch.empty(int(size), dtype=torch.long)  # (1 + dim,): dtype index, then the shape
+    td.recv(head, src, group=group)
+    return head[1:].tolist(), _DTYPES[int(head[0])]
 
 
 def _recv(into: torch.Tensor, src: int, group) -> torch.Tensor:
@@ -209,20 +141,44 @@ def _recv(into: torch.Tensor, src: int, group) -> torch.Tensor:
     return into
 
 
-def pipeline_step(stage: torch.nn.Module, batch: torch.Tensor | None, target: torch.Tensor | None, loss_fn,
-                  micro_batches: int, kind: str = "1f1b", group=None) -> dict:
-    """One training step's forward and backward of this rank's `stage`, by `kind`'s schedule.
+def _chunks(stage, kind: str) -> list[torch.nn.Module]:
+    """This rank's model chunks: `stage` itself, or for "interleaved" the list of its v >= 2 chunks."""
+    if kind == "interleaved":
+        if not isinstance(stage, list | tuple | torch.nn.ModuleList) or len(stage) < 2 or not all(
+                isinstance(c, torch.nn.Module) for c in stage):
+            raise ValueError(f"stage must be a list of this rank's v >= 2 model chunks for kind='interleaved', got "
+                             f"{type(stage).__name__}")
+        return list(stage)
+    if not isinstance(stage, torch.nn.Module):
+        raise ValueError(f"stage must be a torch.nn.Module for kind={kind!r}, got {type(stage).__name__}")
+    return [stage]
+
+
+def pipeline_step(stage, batch: torch.Tensor | None, target: torch.Tensor | None, loss_fn, micro_batches: int,
+                  kind: str = "1f1b", group=None) -> dict:
+    """One training step's forward and backward of this rank's `stage`, by `kind`'s schedule ("gpipe", "1f1b",
+    "interleaved"; `schedules.schedule`).
+
+    For "interleaved", `stage` is the list of this rank's v chunks: chunk c of rank s is model stage c·p + s
+    (`partition(layers, p * v)[s::p]`), and `micro_batches` must be a multiple of p (Narayanan et al. 2021, §2.2.2).
+    Activations go from the rank holding stage k to the one holding k+1 (rank s to s+1, and rank p-1 to rank 0
+    between chunks), gradients back. Each pair of ranks receives its messages in the order they were sent
+    (point-to-point's rule on gloo and NCCL), which these schedules keep (the tests check it on their data).
 
     Rank 0 of `group` needs `batch` (B, ...) and the last rank `target`; both are split into
     `micro_batches` equal micro-batches. The loss is the mean over micro-batches, so the gradients equal
-    those of the unsplit model on the whole batch. Gradients accumulate in `stage`'s parameters (no
+    those of the unsplit model on the whole batch. Gradients accumulate in the chunks' parameters (no
     optimizer step). Returns this rank's timeline (`Timeline.merge` joins the ranks'), its peak number and bytes
-    of micro-batches held, and the loss on the last rank.
+    of micro-batches held (a micro-batch counts once per chunk that holds it), and the loss on the last rank.
     """
-    rank, p = td.get_rank(group), td.get_world_size(group)
-    first, last = rank == 0, rank == p - 1
+    if kind == "zb-h1":
+        raise ValueError("kind='zb-h1' is simulated only (schedules.simulate): its split backward is not run here")
+    chunks = _chunks(stage, kind)
+    rank, p, v = td.get_rank(group), td.get_world_size(group), len(chunks)
+    plan = schedule(kind, p, micro_batches, v)[rank]
     to_global = (lambda r: td.get_global_rank(group, r)) if group is not None else (lambda r: r)
-    dtype = next(stage.parameters()).dtype
+    before, after = to_global((rank - 1) % p), to_global((rank + 1) % p)  # the ranks of stages k-1 and k+1
+    first, last = rank == 0, rank == p - 1  # hold model stage 0 (in chunk 0) / stage p·v-1 (in chunk v-1)
     if first and (batch is None or batch.shape[0] % micro_batches):
         raise ValueError(f"batch of {None if batch is None else batch.shape[0]} rows must split into "
                          f"micro_batches={micro_batches}")
@@ -231,49 +187,52 @@ def pipeline_step(stage: torch.nn.Module, batch: torch.Tensor | None, target: to
     # copies, not views: a view shares the whole batch's storage, which SavedActivations counts in full
     inputs = [c.clone() for c in batch.chunk(micro_batches)] if first else None
     targets = target.chunk(micro_batches) if last else None
-    held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (input, output) kept for backward
-    held_bytes: dict[int, int] = {}  # micro-batch -> bytes of activations autograd saved for its backward
+    held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (chunk, micro-batch) -> (input, output)
+    held_bytes: dict[tuple[int, int], int] = {}  # (chunk, micro-batch) -> bytes autograd saved for its backward
     pending, spans, total_loss = [], [], 0.0
     peak = peak_bytes = 0
-    # One message per activation or gradient: every micro-batch has the shape of the first (equal chunks), so only
-    # the first forward sends its shape, and a gradient has the shape of the activation it belongs to. Each message
-    # costs a wake-up of the receiver; on a busy CPU that is the larger part of a send's latency.
-    shape_in = shape_out = None  # of the activations this stage receives / sends
-    for a in schedule(kind, p, micro_batches)[rank]:
+    # One message per activation or gradient: every micro-batch has the shape of the first (equal chunks), so only a
+    # chunk's first forward sends its shape (and dtype), and a gradient has the shape of the activation it belongs
+    # to. Each message costs a wake-up of the receiver; on a busy CPU that is the larger part of a send's latency.
+    received = [None] * v  # per chunk: (shape, dtype) of the activations it receives
+    shape_out = [None] * v  # per chunk: the shape of those it sends
+    for a in plan:
+        c, key = a.chunk, (a.chunk, a.micro_batch)
+        starts, ends = first and c == 0, last and c == v - 1  # this chunk is the model's first / last stage
         if a.kind == "F":  # each action's clock starts once its input is here: waiting is the bubble
-            if first:
+            if starts:
                 x = inputs[a.micro_batch]
             else:
-                if shape_in is None:
-                    shape_in = _recv_shape(to_global(rank - 1), group)
-                x = _recv(torch.empty(shape_in, dtype=dtype), to_global(rank - 1), group).requires_grad_()
+                if received[c] is None:
+                    received[c] = _recv_header(before, group)
+                shape, dtype = received[c]
+                x = _recv(torch.empty(shape, dtype=dtype), before, group).requires_grad_()
             start = time.perf_counter()
             with SavedActivations() as saved:  # what autograd keeps for this micro-batch's backward
-                y = stage(x)
-            if last:
+                y = chunks[c](x)
+            if ends:
                 y = loss_fn(y, targets[a.micro_batch]) / micro_batches
                 total_loss += y.item()
             else:
-                if shape_out is not None and y.shape != shape_out:
-                    raise ValueError(f"stage {rank} gave micro-batch {a.micro_batch} an output of shape "
-                                     f"{tuple(y.shape)} after micro-batch 0's {tuple(shape_out)}: a stage must give "
-                                     "every micro-batch the same shape")
-                pending += _send(y.detach(), to_global(rank + 1), group, header=shape_out is None)
-                shape_out = y.shape
-            held[a.micro_batch], held_bytes[a.micro_batch] = (x, y), saved.bytes
+                if shape_out[c] is not None and y.shape != shape_out[c]:
+                    raise ValueError(f"stage {c * p + rank} gave micro-batch {a.micro_batch} an output of shape "
+                                     f"{tuple(y.shape)} after micro-batch 0's {tuple(shape_out[c])}: a stage must "
+                                     "give every micro-batch the same shape")
+                pending += _send(y.detach(), after, group, header=shape_out[c] is None)
+                shape_out[c] = y.shape
+            held[key], held_bytes[key] = (x, y), saved.bytes
             peak = max(peak, len(held))
             peak_bytes = max(peak_bytes, sum(held_bytes.values()))
         else:
-            x, y = held.pop(a.micro_batch)
-            del held_bytes[a.micro_batch]
-            grad = None if last else _recv(torch.empty_like(y), to_global(rank + 1), group)
+            x, y = held.pop(key)
+            del held_bytes[key]
+            grad = None if ends else _recv(torch.empty_like(y), after, group)
             start = time.perf_counter()
             y.backward(grad)
-            if not first:
-                pending += _send(x.grad, to_global(rank - 1), group, header=False)
+            if not starts:
+                pending += _send(x.grad, before, group, header=False)
         spans.append(Span(rank, a.kind, a.micro_batch, start, time.perf_counter()))
     for work in pending:
         work.wait()
     return {"timeline": Timeline(tuple(spans), lane_name="stage"), "peak_in_flight": peak,
             "peak_activation_bytes": peak_bytes, "loss": total_loss if last else None}
-
