@@ -10,7 +10,7 @@ from llmlab import bench
 def test_registry():
     assert bench.names() == sorted(bench.BENCHES) and "vector_add" in bench.names()
     assert all(target.count(":") == 1 and target.startswith("llmlab.") for target in bench.BENCHES.values())
-    with pytest.raises(ValueError, match="bench 'nope' unknown; known benches: allreduce, checkpoint, "):
+    with pytest.raises(ValueError, match="bench 'nope' unknown; known benches: allreduce, attention, checkpoint, "):
         bench.get("nope")
 
 

@@ -31,9 +31,12 @@ def sdpa(q, k, v, causal, scale=None):
 
 
 def rel(actual, expected):
-    """|actual − expected| / |expected| (Frobenius); the absolute error where expected is 0 (one key: dQ = 0)."""
+    """|actual − expected| / max(|expected|, 1) (Frobenius). Inputs are standard normal, so the terms summed are of
+    unit size and rounding is relative to them, not to the result: with one key dQ is 0 exactly (the softmax is
+    constant), SDPA returns ±1e-16 of cancellation noise there, and dividing by that norm would call noise an error
+    of 200 %. Below unit size the check is absolute, at the same tolerance."""
     diff, norm = (actual.double() - expected).norm().item(), expected.norm().item()
-    return diff / norm if norm > 0 else diff
+    return diff / max(norm, 1.0)
 
 
 def inputs(B, H, Tq, Tk, d, dtype):
