@@ -9,8 +9,8 @@ tools/flake.py (`make flake N=300`) runs them N times on the checks' fresh rando
     ]
 
 `answers` are the check's arguments (one learner function, or several: 3.3 takes pack and unpack). A mistake is
-named when the check fails with a message that matches the regular expression `match` and shows a hint holding
-`hint`.
+named when the check fails with a message that matches the regular expression `match` and shows a hint, one of
+whose stages (nudge, idea, formula: a repeated mistake is shown the next) holds `hint`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import contextlib
 import io
 import re
 
+from llmlab import checks
 from llmlab.checks import ExerciseFailed
 
 
@@ -36,10 +37,18 @@ class Mistake:
         self.check, self.answers, self.match, self.hint = check, answers, match, hint
 
 
+def shows_hint(failure: ExerciseFailed, hint: str) -> bool:
+    """The failure's line shows a hint, and `hint` is in it or in another stage of the same mistake's hints."""
+    message = str(failure)
+    stages = failure.hint.stages if failure.hint else ()
+    return re.search(r"\bHint( \d of 3)?:", message) is not None and any(hint in t for t in (message, *stages))
+
+
 def judge(answer: Reference | Mistake) -> str:
     """Run the answer's check once: '' when it went as it should, else what went wrong, in one line."""
 
     out = io.StringIO()
+    checks.forget()  # each judgement is a first failure: its line shows the nudge
     try:
         with contextlib.redirect_stdout(out):
             answer.check(*answer.answers)
@@ -47,7 +56,7 @@ def judge(answer: Reference | Mistake) -> str:
         message = str(e)
         if isinstance(answer, Reference):
             return f"the reference failed: {message}"
-        if "Hint:" in message and answer.hint in message and re.search(answer.match, message):
+        if shows_hint(e, answer.hint) and re.search(answer.match, message):
             return ""
         return f"another failure than /{answer.match}/ (hint {answer.hint!r}): {message}"
     printed = out.getvalue().strip()

@@ -33,15 +33,16 @@ def unwritten(*args):
 
 # --- 4.1 ----------------------------------------------------------------------------------------------------
 
-def reduce_scatter(tensor, group=None, shift=0, add_own=True):
-    """The ring reduce-scatter; `shift` moves every chunk index (an off-by-one), `add_own=False` forgets to add
-    this rank's share to what it receives."""
+def reduce_scatter(tensor, group=None, shift=0, add_own=True, received_shift=0):
+    """The ring reduce-scatter; `shift` moves every chunk index (an off-by-one), `received_shift` only the chunk
+    received and added (a learner's off-by-one of issue 27), `add_own=False` forgets to add this rank's share to
+    what it receives."""
     rank, n = td.get_rank(group), td.get_world_size(group)
     chunks = tensor.reshape(-1).tensor_split(n)
     right, left = (rank + 1) % n, (rank - 1) % n
     running = chunks[(rank - 1 + shift) % n].clone()
     for step in range(n - 1):
-        c = (rank - step - 2 + shift) % n
+        c = (rank - step - 2 + shift + received_shift) % n
         incoming = torch.empty_like(chunks[c])
         exchange(sends=[(running, right)], recvs=[(incoming, left)], group=group)
         running = incoming + chunks[c] if add_own else incoming
@@ -131,8 +132,11 @@ def no_zeroing(model, loss_fn, batches):
 ANSWERS = [
     Reference(ch04.ring_reduce_scatter, reduce_scatter),
     Mistake(ch04.ring_reduce_scatter, lambda t, g=None: reduce_scatter(t, g, shift=1),
-            match=r"rank \d ended with \(part of\) chunk \d, not chunk \d: the chunk index is off by 1.* check the "
-                  "index you send at step s", hint="rank r should end with chunk r"),
+            match=r"rank \d ended with \(part of\) chunk \d, not chunk \d: the chunk index is off by 1\. Hint 1 of 3: "
+                  "look at the index of the chunk you receive", hint="rank r should end with chunk r"),
+    Mistake(ch04.ring_reduce_scatter, lambda t, g=None: reduce_scatter(t, g, received_shift=1),
+            match=r"not sums of distinct ranks' shares of one chunk.* Hint 1 of 3: look at the index of the chunk you "
+                  "receive", hint="receives chunk (r−s−2) mod N"),
     Mistake(ch04.ring_reduce_scatter, lambda t, g=None: reduce_scatter(t, g, add_own=False),
             match=r"holds the shares of ranks .* only", hint="adds its own share"),
     Mistake(ch04.ring_reduce_scatter, in_place, match="the input tensor was changed", hint="leave the input"),

@@ -381,3 +381,24 @@ def test_a_rank_without_heartbeat_raises_rank_hang_with_every_stack(no_leftover_
     assert set(err.stacks) == {0, 1} and "in beat" in err.stacks[0] and "in beat" in err.stacks[1]
     assert str(err).startswith(err.headline) and "--- rank 1 ---" in str(err)
     assert [p.rank for p in hang.diagnose_hang(err).places] == [0, 1]  # the message reads as the launcher's hang
+
+
+def _die_like_cpp():
+    import os
+    import sys
+
+    print("before the abort", flush=True)
+    sys.stderr.write("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+                     "  what():  [enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 16 vs 12.\n")
+    sys.stderr.flush()
+    os._exit(134)
+
+
+def test_a_cpp_abort_is_said_by_the_error_not_printed_raw(capfd, no_leftover_processes):
+    """A C++ exception's dying words (gloo's enforce failure) stay out of the caller's output: the RankCrashed
+    error carries them once; the rank's own prints are still forwarded."""
+    with pytest.raises(dist.RankCrashed) as info:
+        dist.spawn(_die_like_cpp, 2, timeout=60)
+    out = capfd.readouterr().out
+    assert "[rank 0] before the abort" in out and "terminate called" not in out and "what():" not in out
+    assert "terminate called after throwing" in str(info.value) and "16 vs 12" in str(info.value)

@@ -16,7 +16,8 @@ import pytest
 import torch
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from llmlab.checks import ExerciseFailed, Mismatch, Result, assert_close, check, not_attempted
+from llmlab import checks
+from llmlab.checks import ExerciseFailed, Hint, Mismatch, Result, assert_close, check, not_attempted
 from llmlab.exercises import grade, notebooks
 
 FIXTURE = Path(__file__).parent / "fixtures" / "exercises_project"
@@ -393,6 +394,66 @@ def test_an_answer_that_raises_fails_with_the_error_chained(capsys, error, detai
         double_check(raises(error))
     assert failure.value.__cause__ is error
     assert capsys.readouterr().out.startswith("❌ Exercise 9.1 (double): failed")
+
+
+STAGED = Hint(nudge="look at the factor", idea="doubling is adding a tensor to itself", formula="return 2 * x")
+
+
+@check("9.2", "staged double", hint=STAGED)
+def staged_check(fn):
+    x = torch.arange(6.0).reshape(2, 3)
+    got = fn(x)
+    if torch.equal(got, -2 * x):
+        raise Mismatch("the sign is wrong", mistake="sign", hint=Hint("look at the sign", "2, not −2", "+2 · x"))
+    assert_close(got, 2 * x, what="double(x)")
+
+
+def staged_line(fn) -> str:
+    with pytest.raises(ExerciseFailed) as failure:
+        staged_check(fn)
+    return str(failure.value)
+
+
+def test_a_repeated_mistake_gets_the_next_hint_and_a_new_one_starts_again(capsys):
+    """Issue 27: nudge, then idea, then formula while the same mistake repeats (the same message up to its
+    numbers: the random cases change them); another mistake starts at the nudge; a pass forgets the count."""
+    checks.forget()
+    lines = [staged_line(lambda x, k=k: (3 + k) * x) for k in range(4)]  # 3x, 4x, 5x, 6x: one mistake
+    assert [line.split("Hint ")[1][:6] for line in lines] == ["1 of 3", "2 of 3", "3 of 3", "3 of 3"]
+    assert "look at the factor. (the same mistake again" in lines[0] and "adding a tensor" in lines[1]
+    assert lines[2].endswith("Hint 3 of 3: return 2 * x.")
+    assert staged_line(lambda x: -2 * x).endswith("the sign is wrong. Hint 1 of 3: look at the sign. (the same "
+                                                  "mistake again shows the next hint)")  # its own hints
+    assert "Hint 1 of 3: look at the factor" in staged_line(lambda x: 3 * x)  # back to another mistake
+    assert "Hint 2 of 3" in staged_line(lambda x: 3 * x)
+    staged_check(lambda x: x + x)
+    assert "Hint 1 of 3" in staged_line(lambda x: 3 * x)  # passing forgot the count
+    capsys.readouterr()
+
+
+def test_a_failure_shows_no_traceback_of_the_checker_and_the_learners_own_frames_only():
+    """In IPython a failed check's traceback is empty for a wrong answer (its line is displayed already) and holds
+    only the learner's frames for an error their code raised."""
+    with pytest.raises(ExerciseFailed) as wrong:
+        staged_check(lambda x: 3 * x)
+    assert wrong.value._render_traceback_() == []
+
+    def learners_code(x):
+        return x.no_such_method()
+
+    with pytest.raises(ExerciseFailed) as raised:
+        staged_check(learners_code)
+    shown = "".join(raised.value._render_traceback_())
+    assert shown.startswith("Traceback of your code") and "learners_code" in shown and "no_such_method" in shown
+    assert "llmlab/checks" not in shown and shown.rstrip().endswith("AttributeError: 'Tensor' object has no "
+                                                                   "attribute 'no_such_method'")
+
+
+def test_hints_refuse_what_is_not_a_hint():
+    with pytest.raises(ValueError, match="Hint's idea must be a non-empty string"):
+        Hint("a", "", "c")
+    with pytest.raises(TypeError, match="hint=3 must be a Hint or a string"):
+        check("9.3", "x", hint=3)
 
 
 def test_not_attempted_recognises_only_not_implemented():

@@ -1,9 +1,13 @@
 """llmlab.site (`llmlab site`): chapters executed into HTML pages with their outputs, failures named, an index."""
 
+from pathlib import Path
+
 import nbformat
 import pytest
 
 from llmlab import cli, site
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def notebook(path, *cells):
@@ -68,3 +72,23 @@ def test_bad_input_is_refused(tmp_path, capsys):
         site.build([], tmp_path)
     assert cli.main(["site", str(tmp_path / "notes.txt")]) == 2
     assert "llmlab site: error: notebook=" in capsys.readouterr().err
+
+
+def test_a_wrong_answer_reads_as_a_verdict_in_the_page(tmp_path):
+    """Issue 27: exercise 4.1's solution with a learner's off-by-one planted (the chunk received) shows, in its
+    built page, one ❌ line and a hint — no gloo abort text, no traceback into llmlab/checks; an error in the
+    learner's own code (4.4 dividing by zero) shows its traceback from their cell only."""
+    nb = nbformat.read(ROOT / "solutions" / "04_communication.ipynb", as_version=4)
+    answer = nb.cells[3]
+    assert "c = (rank - step - 2) % n" in answer.source and "check.ring_reduce_scatter" in nb.cells[4].source
+    answer.source = answer.source.replace("c = (rank - step - 2) % n", "c = (rank - step - 1) % n")
+    nb.cells = [*nb.cells[:5], nbformat.v4.new_code_cell("check.ring_time(lambda S, N, a, b: S / 0)")]
+    nbformat.write(nb, tmp_path / "planted.ipynb")
+    page = site.build_page(tmp_path / "planted.ipynb", tmp_path, timeout=120)
+    text = page.html.read_text()
+    assert text.count("❌ Exercise 4.1") == 1 and text.count("❌ Exercise 4.4") == 1
+    assert "Hint 1 of 3: look at the index of the chunk you receive" in text
+    assert "terminate called" not in text and "what():" not in text and "llmlab/checks" not in text
+    ours = text[text.index("❌ Exercise 4.4"):]
+    assert "Traceback of your code" in ours and "ZeroDivisionError" in ours and "S / 0" in ours
+    assert "Traceback" not in text[:text.index("❌ Exercise 4.4")]

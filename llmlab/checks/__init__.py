@@ -28,14 +28,27 @@ per exercise when they are long (``llmlab/checks/ch03/``), written with :func:`c
 
 The decorated ``softmax`` is the public check: a notebook calls ``check.softmax(softmax)``. Inside the body,
 report a wrong answer by raising :class:`Mismatch` with what differs, or let :func:`assert_close` do it.
+
+**Staged hints.** A check's hint is a :class:`Hint` of three stages, given in turn while a learner repeats the
+same mistake: first a *nudge* (where to look), then the *idea*, and only at the third failure the *formula*.
+The same mistake is the same ``Mismatch.mistake`` key (a check names the mistakes it recognises) or, without
+one, the same message with its numbers left out (the random cases change the numbers, not the mistake). A new
+mistake starts again at the nudge; a pass forgets the exercise's count. A ``Mismatch`` may carry a
+:class:`Hint` of its own for the one mistake it names.
+
+**A verdict, not a crash.** In IPython a failed check shows its one line and no traceback into this package
+(``ExerciseFailed._render_traceback_``); when the learner's own code raised, the traceback shows the learner's
+frames only, from their cell.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import random
 import re
+import traceback
 from dataclasses import asdict, dataclass
 
 from llmlab import dist
@@ -61,12 +74,54 @@ def number(value, what: str) -> float:
         raise Mismatch(f"{what}: got {type(value).__name__} {value!r:.80}, expected a number") from None
 
 
+@dataclass(frozen=True)
+class Hint:
+    """The hints for one mistake, in the order a learner who repeats it sees them: `nudge` says where to look,
+    `idea` what the code must do there, `formula` the exact rule."""
+
+    nudge: str
+    idea: str
+    formula: str
+
+    def __post_init__(self):
+        for name in ("nudge", "idea", "formula"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise ValueError(f"Hint's {name} must be a non-empty string, got {getattr(self, name)!r}")
+
+    @property
+    def stages(self) -> tuple[str, str, str]:
+        return self.nudge, self.idea, self.formula
+
+
 class Mismatch(Exception):
-    """Raised inside a check body: the learner's answer differs from the reference; the message says how."""
+    """Raised inside a check body: the learner's answer differs from the reference; the message says how.
+
+    `mistake` names a mistake the check recognises (the key its staged hints are counted by); `hint` is that
+    mistake's own :class:`Hint`, given instead of the check's."""
+
+    def __init__(self, message: str, *, mistake: str | None = None, hint: Hint | None = None):
+        super().__init__(message)
+        self.mistake, self.hint = mistake, hint
 
 
 class ExerciseFailed(AssertionError):
-    """Raised by a check when the answer is wrong; its text is the check's one-line report."""
+    """Raised by a check when the answer is wrong; its text is the check's one-line report, `hint` the whole
+    :class:`Hint` of the mistake (its stages, of which the line shows one)."""
+
+    def __init__(self, line: str, hint: Hint | None = None):
+        super().__init__(line)
+        self.hint = hint
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows for this error: the check has displayed its line already, so nothing more for a
+        wrong answer, and for an error in the learner's code its traceback through their frames only (the
+        check's own frames, in this package, say nothing about their mistake)."""
+        cause = self.__cause__
+        if cause is None:
+            return []
+        frames = [f for f in traceback.extract_tb(cause.__traceback__) if not f.filename.startswith(_PACKAGE)]
+        return ["Traceback of your code (most recent call last):\n", *traceback.format_list(frames),
+                *traceback.format_exception_only(cause)]
 
 
 @dataclass(frozen=True)
@@ -78,6 +133,7 @@ class Result:
     status: str
     detail: str = ""
     hint: str = ""
+    stage: int = 0  # which of the hint's stages `hint` is (1 … 3), 0 for a hint given in one piece
 
     @property
     def line(self) -> str:
@@ -87,12 +143,16 @@ class Result:
         if self.status == NOT_ATTEMPTED:
             return head + "not attempted yet"
         text = head + "failed — " + _sentence(self.detail)
-        return f"{text} Hint: {_sentence(self.hint)}" if self.hint else text
+        if not self.hint:
+            return text
+        label = f"Hint {self.stage} of 3" if self.stage else "Hint"
+        more = " (the same mistake again shows the next hint)" if 0 < self.stage < 3 else ""
+        return f"{text} {label}: {_sentence(self.hint)}{more}"
 
     def record(self) -> dict[str, str]:
         """The machine-readable form the grader collects (the hint stays in the line)."""
         fields = asdict(self)
-        del fields["hint"]
+        del fields["hint"], fields["stage"]
         return fields
 
 
@@ -108,15 +168,18 @@ def not_attempted(error: BaseException) -> bool:
     return type(error).__name__ == "RankError" and getattr(error, "exc_type", None) == "NotImplementedError"
 
 
-def check(exercise: str, title: str, *, hint: str = ""):
+def check(exercise: str, title: str, *, hint: Hint | str = ""):
     """Turn a check body into a public check that reports one line for exercise `exercise`.
 
     The body receives the learner's function(s) and raises :class:`Mismatch` (directly or through
     :func:`assert_close`) when an answer is wrong. Any other exception escaping the body was raised by the
     learner's code: it fails the check with its type and message, and stays chained for the traceback.
+    `hint` is a staged :class:`Hint` (a plain string is one hint, given at every failure).
     """
     if not re.fullmatch(r"\d+(\.\d+)+", exercise):
         raise ValueError(f"exercise={exercise!r} is not an exercise id like '4.1'")
+    if not isinstance(hint, Hint | str):
+        raise TypeError(f"hint={hint!r} must be a Hint or a string")
 
     def decorate(body):
         @functools.wraps(body)
@@ -124,16 +187,17 @@ def check(exercise: str, title: str, *, hint: str = ""):
             try:
                 body(*answers, **options)
             except Mismatch as e:
-                _fail(Result(exercise, title, FAILED, str(e), hint), cause=None)
+                _fail(exercise, title, str(e), e.mistake, e.hint or hint, cause=None)
             except Exception as e:
                 if not_attempted(e):
                     _report(Result(exercise, title, NOT_ATTEMPTED))
                 else:
-                    detail = f"your code raised {type(e).__name__}: {e}"
-                    _fail(Result(exercise, title, FAILED, detail, hint), cause=e)
+                    _fail(exercise, title, f"your code raised {type(e).__name__}: {e}", None, hint, cause=e)
             else:
+                forget(exercise)
                 _report(Result(exercise, title, PASSED))
 
+        run.hint = hint
         return run
 
     return decorate
@@ -184,10 +248,31 @@ def assert_close(actual, expected, *, what: str, rtol: float = 1.3e-6, atol: flo
     )
 
 
-def _fail(result: Result, cause: BaseException | None):
-    """Report a failed check and raise it; `cause` (the learner's own exception) stays in the traceback."""
+_PACKAGE = __file__.rsplit("/", 1)[0] + "/"  # this package's folder: frames in it are the checks' own
+_repeats: collections.Counter = collections.Counter()  # (exercise, mistake) -> failures with it in a row
+
+
+def forget(exercise: str | None = None) -> None:
+    """Start `exercise`'s hints (every exercise's, without one) again from the nudge."""
+    for key in [k for k in _repeats if exercise is None or k[0] == exercise]:
+        del _repeats[key]
+
+
+def _fail(exercise: str, title: str, detail: str, mistake: str | None, hint: Hint | str,
+          cause: BaseException | None):
+    """Report a failed check with the hint's stage for this mistake and raise it; `cause` (the learner's own
+    exception) stays in the traceback."""
+    key = (exercise, mistake or re.sub(r"\d+(\.\d+)?(e[-+]?\d+)?", "#", detail))
+    if isinstance(hint, Hint):
+        for other in [k for k in _repeats if k[0] == exercise and k != key]:
+            del _repeats[other]  # another mistake: its count starts again
+        _repeats[key] += 1
+        stage = min(_repeats[key], 3)
+        result = Result(exercise, title, FAILED, detail, hint.stages[stage - 1], stage)
+    else:
+        result = Result(exercise, title, FAILED, detail, hint)
     _report(result)
-    raise ExerciseFailed(result.line) from cause
+    raise ExerciseFailed(result.line, hint if isinstance(hint, Hint) else None) from cause
 
 
 def _report(result: Result) -> None:

@@ -38,7 +38,7 @@ import torch.distributed as td
 
 from llmlab import checks, dist
 from llmlab.accumulate import accumulate_gradients
-from llmlab.checks import Mismatch, assert_close, check, fresh_rng
+from llmlab.checks import Hint, Mismatch, assert_close, check, fresh_rng
 from llmlab.dist import RankError, cost
 from llmlab.dist.collectives import chunk_sizes
 
@@ -77,8 +77,8 @@ def _on_ranks(body, fn, cases, what: str) -> list[list]:
             sizes = re.search(r"(\d+) vs (\d+)\. Received data size doesn't match", str(e))
             if sizes:  # gloo aborts a process that receives more bytes than it posted a buffer for
                 raise Mismatch(f"gloo stopped rank {e.rank}: a message of {sizes[1]} bytes arrived where it expected "
-                               f"{sizes[2]}, so a rank sent another chunk than the one its neighbour receives at that "
-                               "step — rank r should end with chunk r; check the index you send at step s") from None
+                               f"{sizes[2]}, so at some step a rank received into another chunk than the one its left "
+                               "neighbour sent", mistake="chunk index", hint=_CHUNK_INDEX) from None
             raise Mismatch(f"rank {e.rank}'s process crashed while running your {what}: {str(e).splitlines()[0]}") \
                 from None
         message = str(e.exception) if e.exception is not None else str(e).splitlines()[0]
@@ -146,7 +146,10 @@ def _rs_cases(rng: random.Random) -> list[dict]:
     for n in WORLD_SIZES:
         seed = rng.randrange(1 << 30)
         not_divisible = rng.choice([k for k in range(n + 1, 60) if k % n])
-        shapes = [(3 * n + 1,), (1,), (n - 1,), (not_divisible,), (3, rng.randint(2, 9)), (rng.randint(1000, 5000),)]
+        # equal chunks first, tagged: a chunk index off by one is named from its tags there, before a later
+        # case's unequal chunks make gloo stop a rank on a message of the wrong size (see _on_members)
+        shapes = [(3 * n,), (3 * n + 1,), (1,), (n - 1,), (not_divisible,), (3, rng.randint(2, 9)),
+                  (rng.randint(1000, 5000),)]
         cases += [{"n": n, "shape": s, "tagged": i == 0, "seed": seed + i} for i, s in enumerate(shapes)]
     return cases
 
@@ -204,14 +207,13 @@ def _rs_diagnosis(got, case: dict, rank: int) -> str | None:
     n = case["n"]
     decoded = [_untag(v, n) for v in got.reshape(-1).tolist()]
     if any(d is None for d in decoded):
-        return ("its values are not sums of distinct ranks' shares of one chunk: a share was added twice, or "
-                "a received buffer was used before it arrived")
+        return ("its values are not sums of distinct ranks' shares of one chunk: a rank added its share of one "
+                "chunk to the running sum of another, added a share twice, or used a buffer before it arrived")
     chunks = {c for c, _ in decoded}
     if chunks != {rank}:
         c = sorted(chunks - {rank})[0]
         return (f"rank {rank} ended with (part of) chunk {c}, not chunk {rank}: the chunk index is off by "
-                f"{(c - rank) % n} — rank r should end with chunk r, so at step s it sends its running sum of chunk "
-                "r−s−1 and receives chunk r−s−2 (mod N); check the index you send at step s")
+                f"{(c - rank) % n}")
     missing = sorted(set(range(n)) - set(decoded[0][1]))
     if missing:
         return (f"chunk {rank} on rank {rank} holds the shares of ranks {_ranks_text(decoded[0][1])} only, not of "
@@ -220,11 +222,25 @@ def _rs_diagnosis(got, case: dict, rank: int) -> str | None:
     return None
 
 
-@check("4.1", "ring reduce-scatter",
-       hint="rank r should end with chunk r of torch.tensor_split(tensor.flatten(), N), summed over all ranks: at "
-            "step s = 0 … N−2 it sends its running sum of chunk (r−s−1) mod N to rank r+1, receives chunk "
-            "(r−s−2) mod N from rank r−1 and adds its own share of it; post each step's send and receive together "
-            "(exchange), and leave the input tensor unchanged")
+_RS_FORMULA = ("rank r should end with chunk r of torch.tensor_split(tensor.flatten(), N), summed over all ranks: "
+               "at step s = 0 … N−2 it sends its running sum of chunk (r−s−1) mod N to rank r+1, receives chunk "
+               "(r−s−2) mod N from rank r−1 and adds its own share of it; post each step's send and receive "
+               "together (exchange), and leave the input tensor unchanged")
+_CHUNK_INDEX = Hint(
+    nudge="look at the index of the chunk you receive into and add at step s: it must be the chunk your left "
+          "neighbour sends at that step",
+    idea="rank r−1 sends at step s the sum it built at step s−1 (at step 0, its own share of chunk r−2), so the "
+         "chunk arriving at rank r is always one lower than the one rank r sends at the same step, and after the "
+         "last step rank r holds chunk r",
+    formula=_RS_FORMULA)
+
+
+@check("4.1", "ring reduce-scatter", hint=Hint(
+    nudge="compare what each rank ends with against chunk r of the sum: which chunk is it, and whose shares does "
+          "it hold?",
+    idea="each step passes a running sum one rank to the right, and the receiver adds its own share of that chunk "
+         "before passing it on: N−1 steps visit every rank once, in new tensors (the input stays as it was)",
+    formula=_RS_FORMULA))
 def ring_reduce_scatter(fn):
     """`fn(tensor, group)` on every rank of `group`: this rank's chunk of the sum over ranks (1-D, new)."""
 
@@ -242,7 +258,9 @@ def ring_reduce_scatter(fn):
             if case["tagged"] and not (got.shape == want.shape and torch.equal(got, want)):
                 known = _rs_diagnosis(got, case, rank)
                 if known:
-                    raise Mismatch(f"{what}: {known}")
+                    off = "holds the shares of" not in known  # a wrong chunk, not a missing step
+                    raise Mismatch(f"{what}: {known}", mistake="chunk index" if off else None,
+                                   hint=_CHUNK_INDEX if off else None)
             if got.shape != want.shape:
                 sizes = [len(c) for c in total.tensor_split(n)]
                 raise Mismatch(f"{what}: got shape {tuple(got.shape)}, expected {tuple(want.shape)} (a 1-D chunk of "

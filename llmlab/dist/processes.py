@@ -12,6 +12,7 @@ the group (setsid(), setpgid()) is not followed.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,6 +29,8 @@ __all__ = ["RankProcess", "stop"]
 
 _STACK_WAIT_S = 2.0  # how long a rank gets to write its stack after SIGUSR1
 _CLOSE_WAIT_S = 5.0  # how long ranks asked to close get to exit before they are killed
+# what libstdc++ and c10 print when a C++ exception kills a process (gloo's "enforce fail" on a size mismatch)
+_ABORT_TEXT = re.compile(r"terminate called after throwing |\s*what\(\): |Exception raised from |frame #\d+: ")
 
 
 class RankProcess:
@@ -52,11 +55,14 @@ class RankProcess:
         self._reader.start()
 
     def _forward_output(self):
-        """Print the rank's stdout/stderr in the caller (a notebook cell shows it), prefixed by its rank."""
+        """Print the rank's stdout/stderr in the caller (a notebook cell shows it), prefixed by its rank; a C++
+        runtime's dying words are kept for the `RankCrashed` error (which says them once, with the rank's exit
+        code) rather than printed raw in the cell."""
         for raw in iter(self.proc.stdout.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
             self.output.append(line)
-            print(f"[rank {self.rank}] {line}", file=sys.stdout, flush=True)
+            if not _ABORT_TEXT.match(line):
+                print(f"[rank {self.rank}] {line}", file=sys.stdout, flush=True)
 
     def tail(self) -> str:
         self._reader.join(timeout=1.0)
