@@ -74,8 +74,11 @@ def test_build_replaces_each_solution_region_and_strips_outputs(project):
     nb = nbformat.reads(text, as_version=4)
     header = nb.cells[0]
     assert header.cell_type == "markdown"
-    assert "Generated from `solutions/01_softmax.ipynb`" in header.source and "do not edit" in header.source
-    assert "`llmlab exercises build`" in header.source
+    # it says to type into this file, that a build keeps an edited one, and the grade command as typed at the root
+    assert "Type your answers into this file" in header.source and "do not edit" not in header.source
+    assert "never overwrites a notebook you have edited" in header.source
+    assert "`llmlab grade exercises/01_softmax.ipynb`" in header.source
+    assert "generated from `solutions/01_softmax.ipynb` by `llmlab exercises build`" in header.source
     code = [cell for cell in nb.cells if cell.cell_type == "code"]
     assert all(cell.outputs == [] and cell.execution_count is None for cell in code)
     assert code[1].source == (

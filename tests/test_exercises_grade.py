@@ -172,6 +172,17 @@ def test_cli_grade_json_reports_a_wrong_answer_and_a_renamed_function(built, tmp
     assert report["against"] == "solutions/01_softmax.ipynb"
 
 
+def test_a_chapter_is_graded_by_its_name_from_the_root_and_by_its_file_from_exercises(built, monkeypatch):
+    monkeypatch.chdir(built)  # the project root, where JupyterLab's terminal opens
+    for name in ("01_softmax", "01_softmax.ipynb"):
+        assert grade.locate(name) == Path("exercises/01_softmax.ipynb")
+    assert grade.locate("nothing.ipynb") == Path("nothing.ipynb")  # read_notebook then names it
+    monkeypatch.chdir(built / "exercises")  # a terminal that went into exercises/: solutions/ is found beside it
+    report = grade.grade(Path("01_softmax.ipynb"), timeout=120)
+    assert report.against.resolve() == (built / "solutions" / "01_softmax.ipynb").resolve()
+    assert [row.status for row in report.rows] == ["not attempted", "not attempted"]
+
+
 def test_a_starter_runs_once_the_learner_deletes_the_raise_and_is_graded(tmp_path):
     root = copy_fixture(tmp_path / "project")
     add_starter(root)

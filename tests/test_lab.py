@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -135,3 +136,11 @@ def test_start_page_follows_the_files(tmp_path):
 def test_start_page_needs_notebooks(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no notebooks in chapters/ or exercises/"):
         landing.text(tmp_path)
+
+
+def test_jupyterlab_s_terminal_finds_the_project_s_llmlab_first():
+    env = lab.environment({"PATH": "/usr/bin:/bin", "HOME": "/home/x"})
+    first, *rest = env["PATH"].split(os.pathsep)
+    assert Path(first, "llmlab").is_file() and Path(first, "python").samefile(sys.executable)
+    assert rest == ["/usr/bin", "/bin"] and env["HOME"] == "/home/x"
+    assert lab.environment(env)["PATH"] == env["PATH"]  # once, however often it is applied

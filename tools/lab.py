@@ -6,6 +6,8 @@
 
 The server's root is the project root, so the file browser reaches chapters/, exercises/ and solutions/, and the
 browser opens START.ipynb first: one page linking every chapter and its exercises (tools/landing.py writes it).
+The project's .venv/bin comes first on the server's PATH, so `llmlab grade exercises/NN_topic.ipynb` works as
+typed in JupyterLab's terminal, which opens in the project root.
 
 It listens on localhost only, behind the random token JupyterLab generates and prints in its URL; from a laptop,
 forward the port over ssh (README, "Workshop guide"). The token is never put on the command line, where `ps` would
@@ -45,6 +47,14 @@ def command(port: int, uid: int, root: Path = ROOT) -> list[str]:
     return argv
 
 
+def environment(env: dict[str, str]) -> dict[str, str]:
+    """`env` with this Python's bin folder (the project's .venv/bin) first on PATH, so that `llmlab` and `python`
+    in JupyterLab's terminal are the project's, as in the README's commands."""
+    bin_dir = str(Path(sys.executable).parent)  # not resolved: .venv/bin/python is a link out of the venv
+    rest = [d for d in env.get("PATH", os.defpath).split(os.pathsep) if d and d != bin_dir]
+    return {**env, "PATH": os.pathsep.join([bin_dir, *rest])}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/lab.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, default=8888, help="the port to listen on (default 8888; 0: any free)")
@@ -59,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(shlex.join(argv))
         return 0
-    os.execv(argv[0], argv)  # JupyterLab takes this process over: Ctrl-C reaches it directly
+    os.execve(argv[0], argv, environment(os.environ))  # JupyterLab takes this process over: Ctrl-C reaches it
 
 
 if __name__ == "__main__":

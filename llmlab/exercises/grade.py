@@ -1,6 +1,7 @@
 """Grade a learner's notebook against its chapter's official checks: one row per exercise.
 
     llmlab grade exercises/04_communication.ipynb [--json] [--report PATH] [--isolate]   # from the project root
+    llmlab grade 04_communication                                                        # the same notebook
 
 :func:`grade` takes which exercises there are and how each is checked from the project's solution notebook
 (``solutions/<the notebook's name>``, read by :mod:`llmlab.exercises.official`), never from the submission. It runs
@@ -132,20 +133,22 @@ def grade(path: Path, timeout: float = 600, *, solution: Path | None = None, mem
           isolate: bool = False) -> Report:
     """Run the notebook at `path` within `timeout` seconds and report each exercise of its chapter.
 
-    `solution`: the chapter's solution notebook, whose exercises and checks are the official ones (default:
-    ``solutions/<the notebook's file name>`` under the working directory, the project root). `memory`: bytes
+    `path` is a notebook, or a chapter's name (``04_communication``: exercises/04_communication.ipynb, see
+    :func:`locate`). `solution`: the chapter's solution notebook, whose exercises and checks are the official ones
+    (default: ``solutions/<the notebook's file name>`` beside the notebook's folder, else under the working
+    directory). `memory`: bytes
     each process of the kernel may allocate (default: this machine's physical memory). `isolate`: run the kernel
     in a bubblewrap sandbox (see :mod:`llmlab.exercises.sandbox`).
     """
-    path = Path(path)
+    path = locate(path)
     if not timeout > 0:
         raise ValueError(f"timeout={timeout} must be a positive number of seconds")
     nb = read_notebook(path)
-    solution = Path("solutions") / path.name if solution is None else Path(solution)
+    solution = _solution_of(path) if solution is None else Path(solution)
     if not solution.is_file():
         raise FileNotFoundError(
-            f"{solution}: no such solution notebook, so the official checks of {path.name} are unknown: grade from "
-            f"the project root a notebook named as its chapter (solutions/NN_topic.ipynb), or name its solution"
+            f"{solution}: no such solution notebook, so the official checks of {path.name} are unknown: grade a "
+            f"notebook named as its chapter (NN_topic.ipynb) in a project holding solutions/, or name its solution"
         )
     officials = officials_of.read(solution)
     steps = officials_of.schedule(nb, officials)
@@ -154,6 +157,32 @@ def grade(path: Path, timeout: float = 600, *, solution: Path | None = None, mem
     stop, outcomes = _run(nb, steps, path.resolve().parent, timeout, memory=memory, isolate=isolate)
     rows = [_row(nb, official, official in steps, outcomes.get(official.exercise), stop) for official in officials]
     return Report(path, tuple(rows), time.monotonic() - started, stop, solution)
+
+
+def locate(notebook: Path | str) -> Path:
+    """The learner's notebook `notebook` names: the path itself, else the chapter's exercise notebook under the
+    project root (the working directory) — ``04_communication`` and ``04_communication.ipynb`` both name
+    ``exercises/04_communication.ipynb``."""
+    path = Path(notebook)
+    if path.is_file():
+        return path
+    name = path.name if path.suffix == ".ipynb" else f"{path.name}.ipynb"
+    for candidate in (path.with_name(name), Path("exercises") / name):
+        if candidate.is_file():
+            return candidate
+    return path  # read_notebook names it: no such notebook
+
+
+def _solution_of(path: Path) -> Path:
+    """The official solution of the learner's notebook `path`: solutions/NAME of the project the notebook lies in
+    (exercises/ and solutions/ are siblings), else solutions/NAME under the working directory."""
+    beside = path.resolve().parent.parent / "solutions" / path.name
+    if not beside.is_file():
+        return Path("solutions") / path.name
+    try:
+        return beside.relative_to(Path.cwd().resolve())  # as the report shows it: solutions/NAME from the root
+    except ValueError:
+        return beside
 
 
 def execute(nb, folder: Path, timeout: float, env: dict[str, str] | None = None) -> Stop | None:
