@@ -6,9 +6,11 @@ work on a copy of it in a temporary directory. The grader's tests (which start k
 test_exercises_grade.py, on the same fixture.
 """
 
+import functools
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
@@ -372,6 +374,60 @@ def test_a_right_answer_prints_passed(capsys):
 def test_an_unwritten_answer_prints_not_attempted_and_does_not_raise(capsys, fn):
     double_check(fn)
     assert capsys.readouterr().out == "⏳ Exercise 9.1 (double): not attempted yet\n"
+
+
+def _written_later(x):
+    """Not yet: its first statement is the raise a generated exercise has."""
+    raise NotImplementedError("Exercise 9.1: Double")
+
+
+def _bare(x):
+    raise NotImplementedError
+
+
+def _starts_then_raises(x):
+    y = x + x
+    raise NotImplementedError(f"not yet: {y}")
+
+
+@functools.lru_cache
+def _decorated(x):
+    raise NotImplementedError
+
+
+def test_unwritten_reads_the_generated_raise_and_nothing_else():
+    assert checks.unwritten(_written_later) and checks.unwritten(_bare)
+    namespace = {}
+    exec("def f(x):\n    raise NotImplementedError\n", namespace)  # no source to read: run as usual
+    for answer in (_starts_then_raises, _decorated, namespace["f"], lambda x: x, raises(NotImplementedError()),
+                   len, "def f(): raise NotImplementedError"):
+        assert not checks.unwritten(answer), answer
+
+
+def test_an_unwritten_multi_rank_answer_is_not_attempted_at_once_without_ranks(capsys, monkeypatch):
+    from llmlab.checks import ch04
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("a check started ranks to learn that an answer is unwritten")
+
+    monkeypatch.setattr(checks, "cluster", no_ranks)
+    monkeypatch.setattr(checks.dist, "Cluster", no_ranks)
+    started = time.perf_counter()
+    ch04.ring_reduce_scatter(_written_later)
+    assert time.perf_counter() - started < 1.0  # the issue's bound: it reads the source, runs nothing
+    assert capsys.readouterr().out == "⏳ Exercise 4.1 (ring reduce-scatter): not attempted yet\n"
+
+
+def _unwritten_after_a_line(tensor, group):
+    numel = tensor.numel()
+    raise NotImplementedError(f"Exercise 4.1 on {numel} elements")
+
+
+def test_a_not_implemented_error_raised_on_the_ranks_is_not_attempted(capsys):
+    from llmlab.checks import ch04
+
+    ch04.ring_reduce_scatter(_unwritten_after_a_line)  # run on the ranks: their RankError names it
+    assert capsys.readouterr().out == "⏳ Exercise 4.1 (ring reduce-scatter): not attempted yet\n"
 
 
 def test_a_wrong_answer_prints_one_line_and_raises_it(capsys):

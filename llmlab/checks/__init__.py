@@ -10,8 +10,10 @@ llmlab's reference, and ends with exactly one line::
 Three rules make exercise notebooks work:
 
 - *Not attempted is not an error.* A generated exercise still says ``raise NotImplementedError(...)``; the
-  check reports "not attempted yet" and returns, so an exercises/ notebook runs top to bottom. The same holds
-  when the ``NotImplementedError`` was raised on another rank and came back as ``llmlab.dist.RankError``.
+  check reports "not attempted yet" and returns, so an exercises/ notebook runs top to bottom. It says so at
+  once when that ``raise`` is the function's first statement (:func:`unwritten`), without running anything.
+  The same holds when the ``NotImplementedError`` was raised on another rank and came back as
+  ``llmlab.dist.RankError``.
 - *A wrong answer raises* :class:`ExerciseFailed` (an ``AssertionError``) with the same line, so the cell
   turns red and ``pytest``/``nbval`` notice.
 - *The grader reads a record, not the text.* Inside IPython the line is displayed together with a
@@ -43,11 +45,14 @@ frames only, from their cell.
 
 from __future__ import annotations
 
+import ast
 import atexit
 import collections
 import functools
+import inspect
 import random
 import re
+import textwrap
 import traceback
 from dataclasses import asdict, dataclass
 
@@ -168,6 +173,30 @@ def not_attempted(error: BaseException) -> bool:
     return type(error).__name__ == "RankError" and getattr(error, "exc_type", None) == "NotImplementedError"
 
 
+def unwritten(answer) -> bool:
+    """True when `answer` is a function whose first statement (after its docstring) is ``raise
+    NotImplementedError(...)``, as a generated exercise's is: calling it can only say "not attempted", so a check
+    says so at once, without starting the ranks a multi-rank check would run it on. Decided from the function's
+    source (IPython keeps a cell's), and only when its compiled code agrees (it names NotImplementedError); a
+    decorated function, or one whose source cannot be read, is run as usual."""
+    if not inspect.isfunction(answer) or "NotImplementedError" not in answer.__code__.co_names:
+        return False
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(answer)))
+    except (OSError, TypeError, SyntaxError):  # no source (exec'd code), or a lambda's line cut mid-expression
+        return False
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.decorator_list \
+            or node.name != answer.__name__:
+        return False
+    body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+    first = body[0] if body else None
+    if not isinstance(first, ast.Raise) or first.exc is None:
+        return False
+    raised = first.exc.func if isinstance(first.exc, ast.Call) else first.exc
+    return isinstance(raised, ast.Name) and raised.id == "NotImplementedError"
+
+
 def check(exercise: str, title: str, *, hint: Hint | str = ""):
     """Turn a check body into a public check that reports one line for exercise `exercise`.
 
@@ -184,6 +213,9 @@ def check(exercise: str, title: str, *, hint: Hint | str = ""):
     def decorate(body):
         @functools.wraps(body)
         def run(*answers, **options) -> None:
+            if any(unwritten(answer) for answer in (*answers, *options.values())):
+                _report(Result(exercise, title, NOT_ATTEMPTED))  # at once: no ranks started to learn it
+                return
             try:
                 body(*answers, **options)
             except Mismatch as e:
