@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml tools/install-torch.sh
 	$(BIN)/python -m pip install -e '.[dev]'
 	touch $(STAMP)
 
-# JupyterLab rooted at the project (chapters/, exercises/, solutions/), opening START.ipynb, on localhost with a
+# JupyterLab rooted at the project (chapters/, exercises/, solutions/), opening START.md, on localhost with a
 # token; as root (containers) it adds --allow-root and says so. tools/lab.py builds the command line.
 lab: $(STAMP)
 	$(BIN)/python tools/lab.py --port=$(PORT)

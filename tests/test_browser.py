@@ -8,11 +8,11 @@ the widget's result text changed. A screenshot goes to test-artifacts/browser/<n
 The cases are CASES below: one line per notebook (the chapters with a calculator or explorer driven in the browser).
 
 A learner's first steps (test_learner_opens_an_exercise_from_the_file_browser): `make lab`'s first page is the
-landing notebook, START.ipynb; from the file browser, into exercises/, open the first exercise notebook, run its
-cells down to the first check (which says "not attempted yet"), type the answer in, and run it and the check again
-("passed").
+landing page, START.md (rendered, no kernel); from the file browser, into exercises/, open the first exercise
+notebook (a save right away leaves its bytes), run its cells down to the first check (which says "not attempted
+yet"), type the answer in, and run it and the check again ("passed").
 
-The server is started with `make lab`'s own command line (tools/lab.py: the project root, localhost, START.ipynb
+The server is started with `make lab`'s own command line (tools/lab.py: the project root, localhost, START.md
 first, --allow-root as root) plus what a test needs (a free port, a known token, throw-away directories), and
 must refuse a request without the token.
 
@@ -574,6 +574,7 @@ JS_FIRST_CHECK = """() => {
     }
     return -1;
 }"""
+JS_SAVED = "() => !window.jupyterapp.shell.currentWidget.context.model.dirty"  # the save has come back
 JS_SOURCE = "(i) => window.jupyterapp.shell.currentWidget.content.model.cells.get(i).sharedModel.getSource()"
 
 
@@ -586,8 +587,9 @@ def _first_answer(solution: Path) -> str:
 
 @pytest.mark.slow
 def test_learner_opens_an_exercise_from_the_file_browser(page, lab, sync_api):
-    """As a learner: `make lab`'s first page is START.ipynb with a link to every chapter and exercise notebook;
-    through the file browser, exercises/, then the first exercise notebook; run down to its first check ("not
+    """As a learner: `make lab`'s first page is START.md, rendered, with a link to every chapter and exercise
+    notebook, and no kernel; through the file browser, exercises/, then the first exercise notebook, which a save
+    right after opening leaves as it was; run down to its first check ("not
     attempted yet"); type the answer into the exercise cell; run it and the check again ("passed")."""
     expect = sync_api.expect
     before = {p: hashlib.sha256((ROOT / p).read_bytes()).hexdigest() for p in (EXERCISE, lab_tool.LANDING)}
@@ -599,10 +601,11 @@ def test_learner_opens_an_exercise_from_the_file_browser(page, lab, sync_api):
         page.goto(f"{lab.url}?token={lab.token}", wait_until="domcontentloaded")
         page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell", timeout=APP_LOAD_S * 1000)
         page.evaluate("() => window.jupyterapp.restored")
-        landing = ".jp-NotebookPanel:not(.lm-mod-hidden) .jp-RenderedMarkdown"
+        landing = ".jp-MarkdownViewer .jp-RenderedMarkdown"  # rendered (the lab's overrides.json), not as source
         expect(page.locator(landing).first).to_contain_text("start here", timeout=APP_LOAD_S * 1000)
         links = re.findall(r"\]\(([^)\s]+\.ipynb)\)", (ROOT / lab_tool.LANDING).read_text(encoding="utf-8"))
         expect(page.locator(landing + " a:not(.jp-InternalAnchorLink)")).to_have_count(len(links))  # not the ¶
+        assert json.loads(_get(lab.api("api/sessions"))[1]) == [], "the landing page started a kernel"
 
         # 2. the file browser: into exercises/ (double-click the folder), then open the notebook (double-click)
         step = "open exercises/ in the file browser"
@@ -617,6 +620,13 @@ def test_learner_opens_an_exercise_from_the_file_browser(page, lab, sync_api):
         item(name).dblclick()
         page.wait_for_function(JS_KERNEL_IDLE, arg=EXERCISE, timeout=KERNEL_IDLE_S * 1000)
         notebook = page.locator(NOTEBOOK)
+
+        # 3a. opened and its kernel started, saved without an edit: the file keeps its bytes (llmlab.labserver)
+        step = "save the opened exercise notebook"
+        page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+        page.wait_for_function(JS_SAVED, timeout=RESULT_CHANGE_S * 1000)
+        assert hashlib.sha256((ROOT / EXERCISE).read_bytes()).hexdigest() == before[EXERCISE], \
+            "opening and saving the exercise notebook changed it"
 
         # 3. select the first check cell; run every cell above it, then it: it reports "not attempted yet"
         step = "run down to the first check"

@@ -1,8 +1,9 @@
-"""`make lab` (tools/lab.py) and the page it opens first (START.ipynb, written by tools/landing.py), without a browser.
+"""`make lab` (tools/lab.py) and the page it opens first (START.md, written by tools/landing.py), without a browser.
 
 tests/test_browser.py starts JupyterLab with the same command line and clicks through to an exercise.
 """
 
+import importlib
 import importlib.util
 import json
 import os
@@ -53,7 +54,7 @@ def test_make_lab_roots_jupyterlab_at_the_project_on_localhost():
     assert Path(options["ServerApp.root_dir"]) == ROOT  # chapters/ and exercises/ are both inside the root
     assert options["ServerApp.ip"] == "localhost"
     assert options["ServerApp.port"] == "8893"
-    assert options["LabApp.default_url"] == "/lab/tree/START.ipynb" and (ROOT / "START.ipynb").is_file()
+    assert options["LabApp.default_url"] == "/lab/tree/START.md" and (ROOT / "START.md").is_file()
     # JupyterLab's own random token stays on: nothing sets a token or password (nor puts one where `ps` shows it)
     assert not [a for a in argv if re.search(r"token|password", a, re.I)]
     as_root = os.geteuid() == 0
@@ -76,27 +77,30 @@ def test_a_bad_port_is_refused_naming_it(capsys):
 
 
 def _landing_links(text: str) -> list[str]:
-    nb = json.loads(text)
-    return [unquote(t) for cell in nb["cells"] for t in LINK.findall("".join(cell["source"]))]
+    return [unquote(t) for t in LINK.findall(text)]
 
 
 def test_start_page_is_up_to_date():
-    assert landing.LANDING == lab.LANDING
-    assert landing.is_current(ROOT / lab.LANDING), "START.ipynb is stale: run .venv/bin/python tools/landing.py"
+    assert landing.LANDING == lab.LANDING == "START.md"
+    assert landing.is_current(ROOT / lab.LANDING), "START.md is stale: run .venv/bin/python tools/landing.py"
 
 
-def test_staleness_is_the_cells_not_the_metadata(tmp_path):
+def test_start_page_is_stale_when_a_notebook_is_added(tmp_path):
     _notebook(tmp_path / "chapters" / "01_a.ipynb", "# Chapter A")
-    start = tmp_path / "START.ipynb"
+    start = tmp_path / "START.md"
     assert not landing.is_current(start, tmp_path)  # missing
     start.write_text(landing.text(tmp_path), encoding="utf-8")
     assert landing.is_current(start, tmp_path)
-    nb = nbformat.read(start, as_version=4)
-    nb.metadata.language_info.update(version="3.11.2", mimetype="text/x-python")  # as JupyterLab re-saves it
-    nbformat.write(nb, start)
-    assert landing.is_current(start, tmp_path)
     _notebook(tmp_path / "exercises" / "01_a.ipynb", "### Exercise 1.1: New")
     assert not landing.is_current(start, tmp_path)  # an exercise notebook added since
+
+
+def test_the_server_opens_markdown_rendered_and_keeps_shipped_notebooks_as_they_are():
+    options = flags(lab.command(8888, uid=1000))
+    overrides = json.loads((Path(options["LabApp.app_settings_dir"]) / "overrides.json").read_text())
+    assert overrides["@jupyterlab/docmanager-extension:plugin"]["defaultViewers"] == {"markdown": "Markdown Preview"}
+    module, name = options["ContentsManager.pre_save_hook"].rsplit(".", 1)
+    assert callable(getattr(importlib.import_module(module), name))
 
 
 def test_every_start_page_link_resolves_and_every_notebook_is_linked():
@@ -120,7 +124,7 @@ def test_start_page_follows_the_files(tmp_path):
     _notebook(tmp_path / "chapters" / "02_b.ipynb", "no heading at all")
     _notebook(tmp_path / "exercises" / "03_c.ipynb", "### Exercise 3.1 — Only one")
     text = landing.text(tmp_path)
-    table = "".join(json.loads(text)["cells"][0]["source"]).split("|---|---|\n")[1]
+    table = text.split("|---|---|\n")[1]
     rows = table.splitlines()
     assert rows == [
         r"| [Chapter A \| pipes \[and brackets\]](chapters/01_a.ipynb) | [2 exercises](exercises/01_a.ipynb): "

@@ -5,7 +5,10 @@
     .venv/bin/python tools/lab.py --dry-run   # print the command line instead of running it
 
 The server's root is the project root, so the file browser reaches chapters/, exercises/ and solutions/, and the
-browser opens START.ipynb first: one page linking every chapter and its exercises (tools/landing.py writes it).
+browser opens START.md first: one page linking every chapter and its exercises (tools/landing.py writes it). A
+Markdown page starts no kernel: the server's default settings (tools/lab-settings/overrides.json) open Markdown
+files rendered, with live links, rather than as source text. Opening a chapter changes nothing on disk either: the
+server's pre-save hook (llmlab.labserver) keeps each shipped notebook's metadata as it is in the file.
 The project's .venv/bin comes first on the server's PATH, so `llmlab grade exercises/NN_topic.ipynb` works as
 typed in JupyterLab's terminal, which opens in the project root.
 
@@ -30,7 +33,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LANDING = "START.ipynb"  # relative to ROOT; written by tools/landing.py
+LANDING = "START.md"  # relative to ROOT; written by tools/landing.py
+SETTINGS = "tools/lab-settings"  # relative to ROOT: the server's default settings (overrides.json)
 
 
 def command(port: int, uid: int, root: Path = ROOT) -> list[str]:
@@ -41,6 +45,8 @@ def command(port: int, uid: int, root: Path = ROOT) -> list[str]:
         "--ServerApp.ip=localhost",  # overrides any config's "0.0.0.0": nothing but this machine can connect
         f"--ServerApp.port={port}",
         f"--LabApp.default_url=/lab/tree/{LANDING}",  # the page the browser opens, and the URL JupyterLab prints
+        f"--LabApp.app_settings_dir={ROOT / SETTINGS}",  # overrides.json: Markdown opens rendered, links live
+        "--ContentsManager.pre_save_hook=llmlab.labserver.keep_language_info",  # opening changes no notebook
     ]  # fmt: skip
     if uid == 0:
         argv.append("--allow-root")

@@ -1,16 +1,16 @@
-"""START.ipynb, the page `make lab` opens first: every chapter and its exercises, linked.
+"""START.md, the page `make lab` opens first: every chapter and its exercises, linked.
 
-    .venv/bin/python tools/landing.py           # rewrite START.ipynb from chapters/ and exercises/
-    .venv/bin/python tools/landing.py --check   # exit 1, saying so, when START.ipynb is stale or missing
+    .venv/bin/python tools/landing.py           # rewrite START.md from chapters/ and exercises/
+    .venv/bin/python tools/landing.py --check   # exit 1, saying so, when START.md is stale or missing
 
 Titles and links come from the notebooks themselves: a chapter's first "# " heading (as `llmlab site` titles its
 pages) and an exercise notebook's "Exercise N.M" headings (as `llmlab grade` finds them), one row per NN_topic
-name in chapters/ or exercises/. tests/test_lab.py fails when START.ipynb is stale and checks that every link
+name in chapters/ or exercises/. tests/test_lab.py fails when START.md is stale and checks that every link
 resolves, so the page cannot drift from the files.
 
-A notebook rather than a Markdown file: JupyterLab renders a notebook's markdown with live links (a click opens
-the chapter in a new tab), while it opens a .md file as source text. The notebook has no code cells, but it names
-the Python kernel, which JupyterLab starts silently when it opens the page (with no kernel named it would ask).
+A Markdown file rather than a notebook: it needs no kernel, and opening it cannot change it (a notebook gets its
+kernel's metadata written in). `make lab`'s server opens Markdown rendered, with live links (a click opens the
+chapter in a new tab), by its default settings in tools/lab-settings/overrides.json.
 """
 
 from __future__ import annotations
@@ -20,12 +20,10 @@ import sys
 from pathlib import Path
 from urllib.parse import quote
 
-import nbformat
-
 from llmlab.exercises.notebooks import cell_exercises, read_notebook, title
 
 ROOT = Path(__file__).resolve().parents[1]
-LANDING = "START.ipynb"  # relative to the root: the page tools/lab.py opens (its LANDING)
+LANDING = "START.md"  # relative to the root: the page tools/lab.py opens (its LANDING)
 FOLDERS = ("chapters", "exercises")
 
 INTRO = """\
@@ -39,7 +37,7 @@ run it top to bottom (**Run ▸ Run All Cells**); then open its exercises. In an
 `raise NotImplementedError(...)` marks code for you to write, and the check cell below it tests your answer on
 fresh random inputs: ✅ passed, ⏳ not attempted yet, or ❌ failed with what differs and a hint. Save your work
 with **File ▸ Save** (Ctrl+S); to grade a whole notebook, open a terminal (**File ▸ New ▸ Terminal**) and run
-`.venv/bin/llmlab grade exercises/01_compute.ipynb`.
+`llmlab grade exercises/01_compute.ipynb`.
 
 The file browser on the left shows the whole project: `chapters/`, `exercises/`, and `solutions/` with the answers
 (try first).
@@ -75,34 +73,22 @@ def _row(root: Path, name: str) -> str:
 
 
 def text(root: Path = ROOT) -> str:
-    """The exact text of START.ipynb for the notebooks under `root` (nbformat's layout, a trailing newline)."""
+    """The exact text of START.md for the notebooks under `root` (ending in a newline)."""
     names = sorted({p.name for folder in FOLDERS for p in (root / folder).glob("*.ipynb")})
     if not names:
         raise FileNotFoundError(f"root={root}: no notebooks in {' or '.join(f'{f}/' for f in FOLDERS)}")
     table = "\n".join(["| chapter | exercises |", "|---|---|", *(_row(root, name) for name in names)])
-    nb = nbformat.v4.new_notebook(
-        cells=[nbformat.v4.new_markdown_cell(INTRO + "\n" + table)],
-        metadata={
-            "kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"},
-            "language_info": {"name": "python"},
-        },
-    )
-    nb.cells[0].id = "landing"  # a fixed id: the same files always give the same bytes
-    return nbformat.writes(nb) + "\n"
+    return INTRO + "\n" + table + "\n"
 
 
 def is_current(path: Path, root: Path = ROOT) -> bool:
-    """True when the notebook at `path` shows the cells :func:`text` would write for `root`. Its metadata may
-    differ: JupyterLab re-saves an open notebook with its kernel's language_info."""
-    if not path.is_file():
-        return False
-    written = [(c.cell_type, c.source) for c in read_notebook(path).cells]
-    return written == [(c.cell_type, c.source) for c in nbformat.reads(text(root), as_version=4).cells]
+    """True when the file at `path` is what :func:`text` would write for `root`."""
+    return path.is_file() and path.read_text(encoding="utf-8") == text(root)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/landing.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when START.ipynb is stale, writing nothing")
+    parser.add_argument("--check", action="store_true", help="exit 1 when START.md is stale, writing nothing")
     args = parser.parse_args(argv)
     path = ROOT / LANDING
     if args.check:
