@@ -293,7 +293,7 @@ def roofline(devices: Mapping[str, tuple[float, float]], points: Sequence = (), 
         heights += [roof.min(), roof.max()]
         ax.plot(xs, roof, label=f"{name} (ridge {peak / bw:.0f} FLOP/B)")
     ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (FLOP / byte)", ylabel="FLOP/s",
-           title="roofline: attainable FLOP/s = min(peak FLOP/s, intensity × bandwidth B/s)")
+           title="roofline: attainable = min(peak FLOP/s, intensity × bandwidth)")
     for p in points:
         ax.axvline(p.intensity, color="grey", lw=0.6, ls=":")
         if p.measured_flops is not None:

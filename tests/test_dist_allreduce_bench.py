@@ -214,7 +214,8 @@ def test_allreduce_cost_explorer_updates_and_keeps_a_static_result():
     assert box.result.value != first and "100 Gb/s" in box.result.value
     box.controls["alpha"].value = 1e-3
     assert box.cost()["alpha"] == 1e-3 and "1 ms" in box.result.value
-    bundle = box._repr_mimebundle_()
+    bundle, metadata = box._repr_mimebundle_()
+    assert metadata["image/png"]["width"] == int(box.plot.layout.width.removesuffix("px"))  # shown at its size
     assert "faster" in bundle["text/plain"] and bundle["image/png"]
     assert math.isclose(box.cost()["nbytes"], 2**20)
 

@@ -9,6 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import pytest  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 
 from llmlab import flops, widgets  # noqa: E402
 from llmlab.hardware import SPECS, roofline  # noqa: E402
@@ -95,7 +96,8 @@ def test_roofline_explorer_recomputes_and_redraws():
     assert explorer.roofline()["peak_flops"] == SPECS["A100 SXM"].peak_flops("fp32")
     explorer.controls["gpu"].value = "this machine"
     assert explorer.roofline()["peak_flops"] == 50e9 and "this machine" in explorer.result.value
-    bundle = explorer._repr_mimebundle_()
+    bundle, metadata = explorer._repr_mimebundle_()
+    assert metadata["image/png"]["width"] == int(explorer.plot.layout.width.removesuffix("px"))  # shown at its size
     assert "memory-bound" in bundle["text/plain"]
     assert base64.b64decode(bundle["image/png"]) == bytes(explorer.plot.value)
 
@@ -118,3 +120,18 @@ def test_slider_stops_hold_the_defaults_exactly():
     assert stops == sorted(stops) and {1, 3, 768, 2304, 65536} <= set(stops)
     with pytest.raises(ValueError, match="m=0"):
         widgets.roofline_explorer(m=0)
+
+
+def test_the_roofline_is_drawn_at_twice_its_shown_size_and_its_title_fits():
+    explorer = widgets.roofline_explorer()
+    drawn = bytes(explorer.plot.value)
+    width = int.from_bytes(drawn[16:20], "big")  # the PNG's IHDR: its width in pixels
+    assert explorer.plot.layout.width == f"{width // 2}px" and width == 2 * round(6.4 * 80)  # never stretched
+    fig = widgets.compute.roofline_figure(explorer.roofline(), "A100 SXM")
+    canvas = FigureCanvasAgg(fig)  # the canvas png() draws on
+    canvas.draw()  # lays the texts out, so their extents are known
+    renderer, box = canvas.get_renderer(), fig.bbox
+    for ax in fig.axes:
+        for text in (ax.title, ax.xaxis.label, ax.yaxis.label):
+            extent = text.get_window_extent(renderer)
+            assert box.x0 <= extent.x0 and extent.x1 <= box.x1 and extent.y1 <= box.y1, text.get_text()

@@ -60,7 +60,8 @@ def test_pipeline_explorer_recomputes_and_redraws():
     explorer.controls["stages"].value = 2
     explorer.controls["backward_ratio"].value = 1.0
     assert explorer.schedule()["ideal"] == pytest.approx(48.0)
-    bundle = explorer._repr_mimebundle_()
+    bundle, metadata = explorer._repr_mimebundle_()
+    assert metadata["image/png"]["width"] == int(explorer.plot.layout.width.removesuffix("px"))  # shown at its size
     assert "application/vnd.jupyter.widget-view+json" in bundle
     assert "p = 2 stages" in bundle["text/plain"]
     assert base64.b64decode(bundle["image/png"]) == bytes(explorer.plot.value)
@@ -135,7 +136,8 @@ def test_precision_explorer_recomputes_and_redraws():
     explorer.controls["log2_scale"].value = 30
     assert "loss scale 2^30" in explorer.result.value and bytes(explorer.plot.value) != png
     assert explorer.underflow()["overflow"] > 0.5
-    bundle = explorer._repr_mimebundle_()
+    bundle, metadata = explorer._repr_mimebundle_()
+    assert metadata["image/png"]["width"] == int(explorer.plot.layout.width.removesuffix("px"))  # shown at its size
     assert "application/vnd.jupyter.widget-view+json" in bundle and "loss scale 2^30" in bundle["text/plain"]
     assert base64.b64decode(bundle["image/png"]) == bytes(explorer.plot.value)
 

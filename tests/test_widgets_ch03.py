@@ -111,7 +111,8 @@ def test_memory_planner_recomputes_and_redraws():
     assert 0 < explorer.plan()["plan"].recompute < r["plan"].recompute
     explorer.controls["seq_len"].value = 0  # "context": the model's block_size
     assert explorer.plan()["seq_len"] == 1024
-    bundle = explorer._repr_mimebundle_()
+    bundle, metadata = explorer._repr_mimebundle_()
+    assert metadata["image/png"]["width"] == int(explorer.plot.layout.width.removesuffix("px"))  # shown at its size
     assert "application/vnd.jupyter.widget-view+json" in bundle
     assert "GPT-2 XL" in bundle["text/plain"] and "1024 tokens" in bundle["text/plain"]
     assert base64.b64decode(bundle["image/png"]) == bytes(explorer.plot.value)

@@ -160,7 +160,8 @@ def test_calculator_recomputes_refuses_and_follows_a_preset():
     calc.controls["model"].value = "GPT-2 XL (1.5B)"
     calc.controls["mfu"].value = 0.3
     assert calc.estimate() == widgets.cluster_estimate("gpt2-8xH100", "GPT-2 XL (1.5B)", link="pcie4", mfu=0.3)
-    bundle = calc._repr_mimebundle_()
+    bundle, metadata = calc._repr_mimebundle_()
+    assert metadata["image/png"]["width"] == int(calc.plot.layout.width.removesuffix("px"))  # shown at its size
     assert "application/vnd.jupyter.widget-view+json" in bundle
     assert bundle["text/plain"] == calc.estimate()["summary"] and "PCIe 4.0" in bundle["text/plain"]
     assert base64.b64decode(bundle["image/png"]) == bytes(calc.plot.value)

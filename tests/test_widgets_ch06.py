@@ -96,7 +96,8 @@ def test_explorer_recomputes_redraws_and_refuses():
     assert (r["warmup"], r["total_steps"], r["decay"], r["base_lr"], r["min_lr"], r["warmup_formula"]) == (
         100, 1000, "constant", 1e-3, 0, "material")
     assert r["lrs"] == LRSchedule(1e-3, 1000, 100, "constant", 0, "material").lrs()
-    bundle = explorer._repr_mimebundle_()
+    bundle, metadata = explorer._repr_mimebundle_()
+    assert metadata["image/png"]["width"] == int(explorer.plot.layout.width.removesuffix("px"))  # shown at its size
     assert "application/vnd.jupyter.widget-view+json" in bundle  # the live widget, for JupyterLab
     assert "warmup over 100 updates" in bundle["text/plain"] and "1k updates" in bundle["text/plain"]
     assert base64.b64decode(bundle["image/png"]) == bytes(explorer.plot.value)  # the static fallback

@@ -80,7 +80,8 @@ def test_moe_routing_explorer_recomputes_and_redraws():
     assert explorer.routing()["drop_rate"] == 0 and "dropless" in explorer.result.value
     explorer.controls["num_experts"].value = 1  # k = 2 > E: the explorer takes every expert
     assert explorer.routing()["k"] == 1
-    bundle = explorer._repr_mimebundle_()
+    bundle, metadata = explorer._repr_mimebundle_()
+    assert metadata["image/png"]["width"] == int(explorer.plot.layout.width.removesuffix("px"))  # shown at its size
     assert "application/vnd.jupyter.widget-view+json" in bundle and "top-1 of 1 experts" in bundle["text/plain"]
     assert base64.b64decode(bundle["image/png"]) == bytes(explorer.plot.value)
 
@@ -147,6 +148,7 @@ def test_quant_explorer_recomputes_and_redraws():
     assert r["bits"] == 8 and r["step"] == pytest.approx(r["lsq_step"])
     explorer.controls["signed"].value = False
     assert explorer.grid()["q_min"] == 0 and "unsigned" in explorer.result.value
-    bundle = explorer._repr_mimebundle_()
+    bundle, metadata = explorer._repr_mimebundle_()
+    assert metadata["image/png"]["width"] == int(explorer.plot.layout.width.removesuffix("px"))  # shown at its size
     assert "application/vnd.jupyter.widget-view+json" in bundle and "8-bit unsigned" in bundle["text/plain"]
     assert base64.b64decode(bundle["image/png"]) == bytes(explorer.plot.value)
