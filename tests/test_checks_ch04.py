@@ -104,7 +104,8 @@ def test_a_wrong_answer_holding_nan_or_inf_is_diagnosed():
     "cannot convert float NaN to integer" (it did, for an off-by-one all-gather, in 3 calls of 150)."""
     case = {"n": 2, "sizes": [3, 3], "tagged": True, "seed": 0}
     got = torch.cat([ch04._ag_input(case, 0), torch.tensor([float("nan"), float("inf"), 1.0])])
-    assert "it holds values no rank sent" in ch04._ag_diagnosis(got, case, 0)
+    text, mistake = ch04._ag_diagnosis(got, case, 0)
+    assert "it holds values that are no rank's chunk: an empty buffer" in text and mistake == "chunk index"
     assert ch04._untag(float("nan"), 2) is None and ch04._untag(float("inf"), 2) is None
 
 
@@ -144,7 +145,7 @@ ANSWERS = [
     Reference(ch04.ring_all_gather, all_gather),
     Mistake(ch04.ring_all_gather, lambda c, s, g=None: all_gather(c, s, g, shift=-1),
             match=r"(chunk \d of rank \d's output .* is wrong|a message of \d+ bytes arrived where it expected).* "
-                  "check the index you send at step s", hint="send chunk (r−s) mod N"),
+                  "Hint 1 of 3: look at the chunk each rank sends at step s", hint="send chunk (r−s) mod N"),
     Mistake(ch04.ring_all_gather, lambda c, s, g=None: torch.cat([c] * td.get_world_size(g)),
             match=r"got shape|is wrong", hint="use sizes"),
 

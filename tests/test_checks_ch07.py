@@ -14,7 +14,11 @@ from grading import fails, not_attempted
 
 from llmlab.checks import ch07
 
-HINT = "fix one fault at a time"
+HINTS = {  # a fragment of the hint each fault, or other mistake, is given (in one of its stages, not the message)
+    "data": "rows[:, 1:]", "loss": "with no softmax before", "accumulation": "(loss / accum_steps).backward()",
+    "zero_grad": "once at the start of every step", "learning rate": "a tenth of the lr at the curve's minimum",
+    "reported loss": "undivided, append", "too slow": "with every fault fixed", "loop": "then optimizer.step() once",
+}
 
 
 def script(lr=3e-3, shift=True, softmax=False, divide=True, zero="step", report_divided=False, extra_steps=0):
@@ -65,36 +69,40 @@ def only(fault: str) -> str:
     """The message of a script with `fault` alone left: that fault named, the others fixed."""
     others = ", ".join(f for f in ch07.FAULTS if f != fault)
     return (rf"^❌ Exercise 7.1 \(find the bugs\): failed — 1 of 5 faults remain — {MESSAGES[fault]}.*; "
-            rf"fixed: {others}\. Hint:")
+            rf"fixed: {others}\. Hint 1 of 3:")
 
 
 # --- the table: tests/test_checks_answers.py runs each once, tools/flake.py N times -------------------------------
 
 ANSWERS = [
     Reference(ch07.find_the_bugs, script()),
-    Mistake(ch07.find_the_bugs, script(**STARTER), hint=HINT,
-            match="5 of 5 faults remain — " + ".*".join(MESSAGES[f] for f in ch07.FAULTS) + ".*fixed: none yet"),
-    *[Mistake(ch07.find_the_bugs, script(**ONE_FAULT[fault]), match=only(fault), hint=HINT) for fault in ch07.FAULTS],
-    Mistake(ch07.find_the_bugs, script(zero="micro"), hint=HINT,
+    Mistake(ch07.find_the_bugs, script(**STARTER), hint=HINTS["data"],
+            match="5 of 5 faults remain — " + ".*".join(MESSAGES[f] for f in ch07.FAULTS)
+                  + ".*fixed: none yet; fix one at a time: the hint is about the first, data"),
+    *[Mistake(ch07.find_the_bugs, script(**ONE_FAULT[fault]), match=only(fault), hint=HINTS[fault])
+      for fault in ch07.FAULTS],
+    Mistake(ch07.find_the_bugs, script(zero="micro"), hint=HINTS["zero_grad"],
             match=r"1 of 5 faults remain — zero_grad: the gradient at each optimizer step is the last micro-batch's "
                   r"alone.*fixed: data, loss, learning rate; checked once the others are fixed: accumulation"),
-    Mistake(ch07.find_the_bugs, script(report_divided=True), hint=HINT,
+    Mistake(ch07.find_the_bugs, script(report_divided=True), hint=HINTS["reported loss"],
             match=r"all 5 faults are fixed, but train returned .* as step 0's loss, where its micro-batches' mean "
                   r"cross-entropy is .*: report loss.item\(\) before dividing it by accum_steps"),
-    Mistake(ch07.find_the_bugs, script(lr=1e-3), hint=HINT,  # below the LR range test's minimum, but 3× too slow
+    # below the LR range test's minimum, but 3× too slow
+    Mistake(ch07.find_the_bugs, script(lr=1e-3), hint=HINTS["too slow"],
             match=rf"all 5 faults are fixed, but after {ch07.TRAIN_STEPS} steps the tiny GPT's held-out loss is .* "
                   r"above the data's best possible .*lr 0.001"),
     Mistake(ch07.find_the_bugs, script(extra_steps=3), match=r"train made more than steps=2 optimizer steps",
-            hint=HINT),
+            hint=HINTS["loop"]),
     Mistake(ch07.find_the_bugs, never_steps, match=r"made 0 optimizer steps, with \[0, 0\] backward passes",
-            hint=HINT),
+            hint=HINTS["loop"]),
 ]
 
 
 def test_the_check_leaves_the_learners_state_alone():
     torch.manual_seed(0)
     state, threads = torch.get_rng_state(), torch.get_num_threads()
-    fails(ch07.find_the_bugs, script(**STARTER), match="5 of 5 faults remain", hint=HINT)  # probe and LR range test
+    # the probe and the LR range test
+    fails(ch07.find_the_bugs, script(**STARTER), match="5 of 5 faults remain", hint=HINTS["data"])
     assert torch.equal(torch.get_rng_state(), state) and torch.get_num_threads() == threads
 
 
@@ -107,4 +115,4 @@ def test_an_unwritten_script_is_not_attempted(capsys):
 
 def test_a_slow_script_is_stopped(monkeypatch):
     monkeypatch.setattr(ch07, "TIMEOUT_S", 0.0)
-    fails(ch07.find_the_bugs, script(), match=r"train did not finish within 0 s", hint=HINT)
+    fails(ch07.find_the_bugs, script(), match=r"train did not finish within 0 s", hint=HINTS["loop"])

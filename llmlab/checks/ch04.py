@@ -65,8 +65,9 @@ def _group(n: int):
     return grid.member, grid.dp_group if grid.member else None
 
 
-def _on_ranks(body, fn, cases, what: str) -> list[list]:
-    """Run `body(fn, cases)` on every rank; return the per-rank lists of per-case results."""
+def _on_ranks(body, fn, cases, what: str, chunk_hint: Hint) -> list[list]:
+    """Run `body(fn, cases)` on every rank; return the per-rank lists of per-case results. `chunk_hint` is the
+    exercise's hint for a chunk sent where its neighbour receives another (gloo stops a rank on it)."""
 
     try:
         return checks.cluster(max(WORLD_SIZES)).run(body, fn, cases, timeout=TIMEOUT_S)
@@ -78,16 +79,23 @@ def _on_ranks(body, fn, cases, what: str) -> list[list]:
             if sizes:  # gloo aborts a process that receives more bytes than it posted a buffer for
                 raise Mismatch(f"gloo stopped rank {e.rank}: a message of {sizes[1]} bytes arrived where it expected "
                                f"{sizes[2]}, so at some step a rank received into another chunk than the one its left "
-                               "neighbour sent", mistake="chunk index", hint=_CHUNK_INDEX) from None
+                               "neighbour sent", mistake="chunk index", hint=chunk_hint) from None
             raise Mismatch(f"rank {e.rank}'s process crashed while running your {what}: {str(e).splitlines()[0]}") \
                 from None
         message = str(e.exception) if e.exception is not None else str(e).splitlines()[0]
         raise Mismatch(f"on rank {e.rank}, {message}") from None
     except TimeoutError:
         raise Mismatch(f"your {what} did not finish within {TIMEOUT_S:g} s: some rank waits for a message nobody "
-                       "sends (or sends one nobody receives). At every step each rank must send to its right "
-                       "neighbour AND receive from its left one, posted together: exchange(sends=[(t, right)], "
-                       "recvs=[(buf, left)], group=group)") from None
+                       "sends (or sends one nobody receives)", mistake="deadlock", hint=_DEADLOCK) from None
+
+
+_DEADLOCK = Hint(
+    nudge="look at each step's messages: does every rank that waits for a message have a left neighbour that sends "
+          "it at the same step?",
+    idea="every rank must take the same number of steps, and at each of them both send and receive; a send and a "
+         "receive posted one after the other can wait for each other round the whole ring",
+    formula="at every step each rank sends to its right neighbour AND receives from its left one, posted together: "
+            "exchange(sends=[(t, right)], recvs=[(buf, left)], group=group)")
 
 
 def _call(fn, args, case_text: str):
@@ -245,7 +253,7 @@ def ring_reduce_scatter(fn):
     """`fn(tensor, group)` on every rank of `group`: this rank's chunk of the sum over ranks (1-D, new)."""
 
     cases = _rs_cases(fresh_rng())
-    per_rank = _on_ranks(_run_reduce_scatter, fn, cases, "reduce-scatter")
+    per_rank = _on_ranks(_run_reduce_scatter, fn, cases, "reduce-scatter", _CHUNK_INDEX)
     for i, case in enumerate(cases[:len(per_rank[0])]):  # the ranks stop after the first wrong case
         n = case["n"]
         total = sum(_rs_input(case, r) for r in range(n)).reshape(-1)  # (S,) exact: small integers
@@ -312,8 +320,9 @@ def _run_all_gather(fn, cases) -> list:
     return _on_members(functools.partial(_all_gather_case, fn), _ag_right, cases)
 
 
-def _ag_diagnosis(got, case: dict, rank: int) -> str:
-    """Which chunk of rank `rank`'s output is wrong, and where it should have come from."""
+def _ag_diagnosis(got, case: dict, rank: int) -> tuple[str, str]:
+    """(what is wrong, the mistake's key): the first wrong chunk of rank `rank`'s output, what it holds instead,
+    and the step at which it should have arrived."""
     n, sizes = case["n"], case["sizes"]
     for c, part in enumerate(got.split(sizes)):
         want = _ag_input(case, c)
@@ -323,27 +332,49 @@ def _ag_diagnosis(got, case: dict, rank: int) -> str:
         values = part.tolist()
         owners = {int(v) // 1000 - 1 for v in values if math.isfinite(v) and v == int(v) and 1000 <= v < 1000 * (n + 1)}
         if not owners:
-            came = "it holds values no rank sent (a buffer that was never received into)"
+            came, mistake = ("it holds values that are no rank's chunk: an empty buffer, either a part of the output "
+                             "that a rank sent before it had received it, or a place nothing was received into"), \
+                "chunk index"
         elif owners - {c}:
-            came = f"it holds (part of) rank {_ranks_text(sorted(owners - {c}))}'s chunk instead"
+            came, mistake = (f"it holds (part of) rank {_ranks_text(sorted(owners - {c}))}'s chunk instead: at some "
+                             "step the chunk a rank sent and the place its right neighbour received it into were not "
+                             "the same chunk"), "chunk index"
         else:
-            came = f"it holds only part of rank {c}'s chunk, or its elements out of place"
+            came, mistake = f"it holds only part of rank {c}'s chunk, or its elements out of place", "chunk offsets"
         return (f"chunk {c} of rank {rank}'s output (elements {sum(sizes[:c])}…{sum(sizes[:c + 1]) - 1}) is wrong: "
-                f"{came}. Chunk {c} reaches rank {rank} at step {step} = (r−c−1) mod N, from rank {(rank - 1) % n}; "
-                f"rank r should end with chunk c at step (r−c−1) mod N — check the index you send at step s "
-                "(the chunk received at the step before, (r−s) mod N)")
-    return ""
+                f"{came}; chunk {c} should arrive at rank {rank} at step {step}, from rank {(rank - 1) % n}"), mistake
+    return "", ""
 
 
-@check("4.2", "ring all-gather",
-       hint="start from an output holding your own chunk at its place (offsets from sizes); at step s = 0 … N−2 "
-            "send chunk (r−s) mod N of the output to rank r+1 and receive chunk (r−s−1) mod N from rank r−1 into "
-            "its place; chunks may differ in size (use sizes), and empty ones need no message")
+_AG_FORMULA = ("start from an output holding your own chunk at its place (offsets from sizes); at step s = 0 … N−2 "
+               "send chunk (r−s) mod N of the output to rank r+1 and receive chunk (r−s−1) mod N from rank r−1 into "
+               "its place; chunks may differ in size (use sizes), and empty ones need no message")
+_AG_HINTS = {
+    "chunk index": Hint(
+        nudge="look at the chunk each rank sends at step s and the place its right neighbour receives it into: they "
+              "must be the same chunk, and one that the sender already holds",
+        idea="at step 0 each rank sends its own chunk; at every later step it passes on the chunk it received at the "
+             "step before, and its right neighbour receives it into that chunk's own place in the output",
+        formula=_AG_FORMULA),
+    "chunk offsets": Hint(
+        nudge="look at where each chunk's place in the output starts and ends: the chunks may differ in size",
+        idea="chunk c's place is sizes[c] elements long and starts after the sizes of all the chunks before it; "
+             "split the output by sizes rather than into N equal parts",
+        formula=_AG_FORMULA),
+}
+
+
+@check("4.2", "ring all-gather", hint=Hint(
+    nudge="look at where each chunk must end up: chunk c of every rank's output is rank c's chunk, at the offset "
+          "that the sizes before it give",
+    idea="each rank puts its own chunk in its place first; then, in N−1 steps, every rank passes on to the right "
+         "the chunk it received the step before, so that every chunk travels once round the ring",
+    formula=_AG_FORMULA))
 def ring_all_gather(fn):
     """`fn(chunk, sizes, group)` on every rank: every rank's chunk concatenated in rank order (1-D, new)."""
 
     cases = _ag_cases(fresh_rng())
-    per_rank = _on_ranks(_run_all_gather, fn, cases, "all-gather")
+    per_rank = _on_ranks(_run_all_gather, fn, cases, "all-gather", _AG_HINTS["chunk index"])
     for i, case in enumerate(cases[:len(per_rank[0])]):  # the ranks stop after the first wrong case
         n = case["n"]
         want = torch.cat([_ag_input(case, r) for r in range(n)])  # (Σ sizes,)
@@ -356,7 +387,9 @@ def ring_all_gather(fn):
                 raise Mismatch(f"{what}: got shape {tuple(got.shape)}, expected {tuple(want.shape)} (every rank's "
                                "chunk, concatenated)")
             if case["tagged"] and not torch.equal(got, want):
-                raise Mismatch(f"{what}: {_ag_diagnosis(got, case, rank)}")
+                known, mistake = _ag_diagnosis(got, case, rank)
+                if known:
+                    raise Mismatch(f"{what}: {known}", mistake=mistake, hint=_AG_HINTS[mistake])
             assert_close(got, want, what=what, rtol=0, atol=0)  # copies: exact
     _stopped_early(per_rank, cases, "all-gather")
 
@@ -386,9 +419,28 @@ def micro_batch_mse(model, batch):
     return torch.nn.functional.mse_loss(model(x), y)  # the mean over the micro-batch
 
 
-@check("4.3", "gradient accumulation",
-       hint="zero the gradients first (model.zero_grad()), then for each of the k micro-batches call "
-            "(loss_fn(model, batch) / k).backward(): .grad adds the k gradients up, so each must count 1/k")
+_ACC_FORMULA = ("zero the gradients first (model.zero_grad()), then for each of the k micro-batches call "
+                "(loss_fn(model, batch) / k).backward(): .grad adds the k gradients up, so each must count 1/k")
+_ACC_HINTS = {
+    "no 1/k": Hint(
+        nudge="look at how much each micro-batch's backward adds to .grad: the k of them are added up",
+        idea="the large-batch gradient is the mean of the k micro-batches' gradients, not their sum, so each "
+             "backward must contribute its gradient weighted 1/k",
+        formula=_ACC_FORMULA),
+    "no zeroing": Hint(
+        nudge="look at what .grad holds before your first backward: backward adds to whatever is already there",
+        idea="gradients from an earlier backward stay in .grad until they are cleared, so clear them before the "
+             "first micro-batch, not after the last",
+        formula=_ACC_FORMULA),
+}
+
+
+@check("4.3", "gradient accumulation", hint=Hint(
+    nudge="look at what .grad holds when your function starts, and at how much each micro-batch's backward adds "
+          "to it",
+    idea="start from zero gradients and let each of the k backward passes add its micro-batch's gradient weighted "
+         "1/k, so that their sum is the gradient of the mean loss",
+    formula=_ACC_FORMULA))
 def accumulate(fn):
     """`fn(model, loss_fn, batches)`: leaves in `.grad` the gradient of the mean loss over all micro-batches."""
 
@@ -410,19 +462,49 @@ def accumulate(fn):
                 raise Mismatch(f"{what}: {name}.grad is None: no backward reached it")
             if torch.allclose(p.grad, k * ref.grad, rtol=1e-9, atol=1e-12) and not torch.allclose(p.grad, ref.grad):
                 raise Mismatch(f"{what}: {name}.grad is {k}× the large-batch gradient: the loss of each micro-batch "
-                               f"must be divided by k = {k} (the missing division of the material's snippet)")
+                               f"must be divided by k = {k} (the missing division of the material's snippet)",
+                               mistake="no 1/k", hint=_ACC_HINTS["no 1/k"])
             if stale is not None and torch.allclose(p.grad, ref.grad + stale[i], rtol=1e-9, atol=1e-12):
                 raise Mismatch(f"{what}: {name}.grad still holds the gradient of an earlier backward added to the "
-                               "new one: zero the gradients before accumulating")
+                               "new one: zero the gradients before accumulating", mistake="no zeroing",
+                               hint=_ACC_HINTS["no zeroing"])
             # float64: the same sums in another order differ by ~1e-16 relative; a real mistake is O(1) off
             assert_close(p.grad, ref.grad, what=f"{what}: {name}.grad", rtol=1e-9, atol=1e-12)
 
 
 # --- 4.4: the α-β time of a ring all-reduce -----------------------------------------------------------------
 
-@check("4.4", "the α-β time of a ring all-reduce",
-       hint="2(N−1) steps (N−1 of reduce-scatter, N−1 of all-gather), each one message of S/N bytes: "
-            "t = 2(N−1)·α + 2(N−1)/N · S · β")
+_TIME_FORMULA = ("2(N−1) steps (N−1 of reduce-scatter, N−1 of all-gather), each one message of S/N bytes: "
+                 "t = 2(N−1)·α + 2(N−1)/N · S · β")
+_TIME_HINTS = {
+    "reduce-scatter only": Hint(
+        nudge="look at how many phases your time counts: an all-reduce is more than its reduce-scatter",
+        idea="after the reduce-scatter each rank holds one summed chunk; an all-gather of as many steps then brings "
+             "every summed chunk to every rank, so the latency term and the bytes term both double",
+        formula=_TIME_FORMULA),
+    "whole S per step": Hint(
+        nudge="look at the size of the message each step sends",
+        idea="the ring cuts the tensor into N chunks and each step sends one of them, S/N bytes, so the bytes term "
+             "is just under 2·S·β, whatever the number of ranks",
+        formula=_TIME_FORMULA),
+    "N steps": Hint(
+        nudge="count the steps of each phase on N ranks",
+        idea="a chunk starts on one rank and needs one hop for each of the N−1 others, so each phase takes N−1 "
+             "steps, not N",
+        formula=_TIME_FORMULA),
+    "latency over N": Hint(
+        nudge="look at how often your time pays the latency α",
+        idea="every step is one message, and every message pays the whole latency α whatever its size: α is "
+             "multiplied by the number of steps, never divided by N",
+        formula=_TIME_FORMULA),
+}
+
+
+@check("4.4", "the α-β time of a ring all-reduce", hint=Hint(
+    nudge="count the steps of a ring all-reduce, and the bytes each of them sends",
+    idea="a ring all-reduce is two phases, a reduce-scatter and an all-gather, of N−1 steps each; every step costs "
+         "one latency plus the time of sending one chunk",
+    formula=_TIME_FORMULA))
 def ring_time(fn):
     """`fn(nbytes, n, alpha, beta)`: seconds of a ring all-reduce of `nbytes` on `n` ranks."""
 
@@ -442,11 +524,16 @@ def ring_time(fn):
         if math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-18):
             continue
         diagnosis = [  # the first that matches is named
-            (cost.reduce_scatter_time(nbytes, n, alpha, beta), "half: that is the reduce-scatter alone; an all-reduce "
-                                                               "adds an all-gather of as many steps"),
-            (2 * (n - 1) * alpha + 2 * (n - 1) * nbytes * beta, "each step sends S/N bytes, not all S"),
-            (2 * n * alpha + 2 * nbytes * beta, "N−1 steps per phase, not N"),
-            (2 * (n - 1) * (alpha + nbytes * beta / n) / n, "the latency is paid once per step: 2(N−1)·α"),
+            (cost.reduce_scatter_time(nbytes, n, alpha, beta), "reduce-scatter only",
+             "half: that is the reduce-scatter alone; an all-reduce adds an all-gather of as many steps"),
+            (2 * (n - 1) * alpha + 2 * (n - 1) * nbytes * beta, "whole S per step",
+             "each step sends S/N bytes, not all S"),
+            (2 * n * alpha + 2 * nbytes * beta, "N steps", "N−1 steps per phase, not N"),
+            (2 * (n - 1) * (alpha + nbytes * beta / n) / n, "latency over N",
+             "the latency is paid once per step: 2(N−1)·α"),
         ]
-        known = next((d for value, d in diagnosis if math.isclose(got, value, rel_tol=1e-9)), None)
-        raise Mismatch(f"{what} = {got:.6g} s, expected {want:.6g} s" + (f": {known}" if known else ""))
+        known = next(((key, d) for value, key, d in diagnosis if math.isclose(got, value, rel_tol=1e-9)), None)
+        if known:
+            raise Mismatch(f"{what} = {got:.6g} s, expected {want:.6g} s: {known[1]}", mistake=known[0],
+                           hint=_TIME_HINTS[known[0]])
+        raise Mismatch(f"{what} = {got:.6g} s, expected {want:.6g} s")

@@ -38,7 +38,7 @@ import random
 import torch
 
 from llmlab.accumulate import accumulate_gradients
-from llmlab.checks import Mismatch, assert_close, check, fresh_rng
+from llmlab.checks import Hint, Mismatch, assert_close, check, fresh_rng
 from llmlab.checks.ch04 import accumulation_case, micro_batch_mse
 from llmlab.precision import DynamicLossScaler
 from llmlab.train.clip import clip_grad_norm as clip
@@ -89,36 +89,66 @@ def _cosine(peak: float, floor: float, progress: float) -> float:
 
 
 def _lr_mistakes():
-    """(the LR a mistake gives at update s, or None where it agrees with the definition; what the mistake is)."""
+    """(the LR a mistake gives at update s, or None where it agrees with the definition; the mistake's key; what
+    the mistake is)."""
 
     return (
-        (lambda s, p, w, t, m: p * (s + 1) / w if s == w and w else None,
+        (lambda s, p, w, t, m: p * (s + 1) / w if s == w and w else None, "ramp too long",
          "the ramp runs one update too long: update warmup is above peak_lr (peak_lr·(warmup + 1)/warmup); the ramp "
          "is updates 0 … warmup − 1 (step < warmup), and update warmup starts the cosine at peak_lr"),
         (lambda s, p, w, t, m: p * (s + 1) / w if 0 < s < w else None,  # only ever differs from a ramp from 0
+         "two ramps",
          "update 0 had LR 0, the ramp from 0 (step/warmup), but this update follows (step + 1)/warmup: keep to one "
          "line, either peak_lr·step/warmup or peak_lr·(step + 1)/warmup for every step < warmup"),
-        *((lambda s, p, w, t, m, k=k: p * (s + k) / t if s + k > 0 and s < w < t else None,
+        *((lambda s, p, w, t, m, k=k: p * (s + k) / t if s + k > 0 and s < w < t else None, "ramp over total",
            "the ramp divides by total, not warmup: it climbs only to peak_lr·warmup/total and then jumps to peak_lr")
           for k in (1, 0)),  # on either start of the ramp (from 0, update 0 is right: the slip shows from update 1)
         (lambda s, p, w, t, m: _cosine(p, m, min(s / (t - 1), 1.0)) if w <= s and t > 1 else None,
+         "cosine from update 0",
          "the cosine starts at update 0, not at the end of warmup: progress = (step − warmup)/(total − 1 − warmup) is "
          "0 at update warmup (LR = peak_lr) and 1 at the last update, total − 1"),
-        (lambda s, p, w, t, m: warmup_cosine_lr(s, p, w, t, 0.0) if w <= s else None,
+        (lambda s, p, w, t, m: warmup_cosine_lr(s, p, w, t, 0.0) if w <= s else None, "decay to 0",
          "the LR decays to 0, not to min_lr: lr = min_lr + (peak_lr − min_lr)·½(1 + cos(π·progress))"),
         (lambda s, p, w, t, m: p if s == w == t - 1 else None,  # before the next: (s − w)/(t − w) is 0 here too
+         "no span guarded",
          "with warmup = total − 1 no update is left to decay over (total − 1 − warmup = 0), and the definition sets "
          "progress = 1 then, so update warmup — the last — is at min_lr; a guard such as max(1, total − 1 − "
          "warmup) makes progress 0 instead (LR peak_lr): test span ≤ 0 and set progress = 1"),
         (lambda s, p, w, t, m: _cosine(p, m, min((s - w) / (t - w), 1.0)) if w <= s < t else None,
+         "decay too long",
          "the decay is one update too long, so the last update (total − 1) ends above min_lr: it spans updates "
          "warmup … total − 1, so divide by total − 1 − warmup"),
-        (lambda s, p, w, t, m: _cosine(p, m, (s - w) / (t - 1 - w)) if s >= t > w + 1 else None,
+        (lambda s, p, w, t, m: _cosine(p, m, (s - w) / (t - 1 - w)) if s >= t > w + 1 else None, "no clamp",
          "after the last update the LR rises again along the cosine: clamp progress at 1, so the LR stays at min_lr"),
         (lambda s, p, w, t, m: _cosine(p, m, min((s - w) / (t - 1 - w), 1.0)) if s >= t == w else None,
+         "negative span",
          "this run is all warmup (warmup = total), so total − 1 − warmup is negative and (step − warmup)/(total − 1 − "
          "warmup) too: with no decay span (≤ 0) progress is 1, so the LR after the run is min_lr"),
     )
+
+
+_LR_FORMULA = ("for step < warmup, lr = peak_lr·(step + 1)/warmup (or peak_lr·step/warmup, LR 0 at update 0, as "
+               "Hugging Face's schedulers do); after it, progress = min((step − warmup)/(total − 1 − warmup), 1) (1 "
+               "when total − 1 − warmup ≤ 0) and lr = min_lr + (peak_lr − min_lr)·½(1 + cos(π·progress))")
+_RAMP = Hint(
+    nudge="look at the warmup ramp: at which update it starts, what it divides by, and where it ends",
+    idea="the ramp is one straight line over updates 0 … warmup − 1 (none when warmup is 0), climbing by "
+         "peak_lr/warmup per update, so that the cosine starts at peak_lr at update warmup",
+    formula=_LR_FORMULA)
+_DECAY = Hint(
+    nudge="look at progress, the fraction of the decay done: where it starts, where it reaches 1, and what it does "
+          "after the run",
+    idea="progress is 0 at update warmup and 1 at the last update, total − 1, and stays 1 after it; the cosine takes "
+         "the LR from peak_lr down to min_lr, not to 0",
+    formula=_LR_FORMULA)
+_NO_SPAN = Hint(
+    nudge="look at what your decay does when no update is left to decay over, total − 1 − warmup ≤ 0",
+    idea="with no decay span there is nothing to divide by: the decay counts as done, so test the span before "
+         "dividing and take progress = 1, which puts the LR at min_lr",
+    formula=_LR_FORMULA)
+_LR_HINTS = {"ramp too long": _RAMP, "two ramps": _RAMP, "ramp over total": _RAMP, "warmup 0": _RAMP,
+             "cosine from update 0": _DECAY, "decay to 0": _DECAY, "decay too long": _DECAY, "no clamp": _DECAY,
+             "no span guarded": _NO_SPAN, "negative span": _NO_SPAN, "no span divided": _NO_SPAN}
 
 
 def _lr(fn, step: int, peak: float, warmup: int, total: int, floor: float, what: str) -> float:
@@ -127,18 +157,22 @@ def _lr(fn, step: int, peak: float, warmup: int, total: int, floor: float, what:
     except ZeroDivisionError:
         if warmup == 0:
             raise Mismatch(f"{what} divided by zero: warmup=0 means no warmup — (step + 1)/warmup is only for "
-                           "step < warmup, and the cosine starts at update 0") from None
+                           "step < warmup, and the cosine starts at update 0", mistake="warmup 0",
+                           hint=_LR_HINTS["warmup 0"]) from None
         if total - 1 - warmup == 0:
             raise Mismatch(f"{what} divided by zero: with warmup = total − 1 no update is left to decay over "
-                           "(total − 1 − warmup = 0); progress is then 1, so update warmup is at min_lr") from None
+                           "(total − 1 − warmup = 0); progress is then 1, so update warmup is at min_lr",
+                           mistake="no span divided", hint=_LR_HINTS["no span divided"]) from None
         raise
     return _number(value, what)
 
 
-@check("6.1", "linear warmup, then cosine decay",
-       hint="for step < warmup, lr = peak_lr·(step + 1)/warmup (or peak_lr·step/warmup, LR 0 at update 0, as "
-            "Hugging Face's schedulers do); after it, progress = min((step − warmup)/(total − 1 − warmup), 1) (1 when "
-            "total − 1 − warmup ≤ 0) and lr = min_lr + (peak_lr − min_lr)·½(1 + cos(π·progress))")
+@check("6.1", "linear warmup, then cosine decay", hint=Hint(
+    nudge="compare your LR with the expected one at the update named: is that update on the warmup ramp, on the "
+          "cosine, or past the end of the run?",
+    idea="the warmup climbs linearly to peak_lr over updates 0 … warmup − 1; after it a cosine takes the LR from "
+         "peak_lr at update warmup down to min_lr at the last update, total − 1, and holds it there",
+    formula=_LR_FORMULA))
 def lr_at(fn):
     """`fn(step, peak_lr, warmup, total, min_lr)`: the LR of update `step`, as warmup_cosine_lr defines it, or with
     the ramp started at 0 (peak_lr·step/warmup)."""
@@ -156,11 +190,14 @@ def lr_at(fn):
                 warmup_cosine_lr(step, peak, warmup, total, floor)
             if math.isclose(got, want, **tol):
                 continue
-            known = next((text for mistake, text in mistakes
+            known = next(((key, text) for mistake, key, text in mistakes
                           if (value := mistake(step, peak, warmup, total, floor)) is not None
                           and math.isclose(got, value, **tol)), None)
-            raise Mismatch(f"{what} = {got:.6g}, expected {want:.6g} (relative difference "
-                           f"{abs(got - want) / max(abs(want), peak):.2g})" + (f": {known}" if known else ""))
+            differs = (f"{what} = {got:.6g}, expected {want:.6g} (relative difference "
+                       f"{abs(got - want) / max(abs(want), peak):.2g})")
+            if known:
+                raise Mismatch(f"{differs}: {known[1]}", mistake=known[0], hint=_LR_HINTS[known[0]])
+            raise Mismatch(differs)
 
 
 # --- 6.2: clipping by the global norm -------------------------------------------------------------------------
@@ -211,6 +248,42 @@ def _all_close(xs, ys) -> bool:
     return all(torch.allclose(x, y, rtol=1e-5, atol=0.0) for x, y in zip(xs, ys, strict=True))
 
 
+_CLIP_FORMULA = ("norm = √(Σ over every parameter whose .grad is not None of (g²).sum()) — one norm for all "
+                 "gradients together; if norm > max_norm multiply every such .grad in place by max_norm / (norm + "
+                 "1e-6) (g.mul_(c)), else leave them; return the norm from before; list(parameters) first if you "
+                 "loop twice")
+_NORM = Hint(
+    nudge="look at the number you return: which norm it is, of which gradients, and computed when",
+    idea="return the global L2 norm of the gradients as they were before clipping: the square root of the sum of "
+         "every gradient's squared entries, all the tensors together",
+    formula=_CLIP_FORMULA)
+_NONE = Hint(
+    nudge="look at what your code does with a parameter whose .grad is None",
+    idea="a parameter without a gradient took no part in the loss, or is frozen: leave it out of the norm and leave "
+         "its .grad None (with no gradient at all, the norm is 0 and nothing is scaled)",
+    formula=_CLIP_FORMULA)
+_IN_PLACE = Hint(
+    nudge="look at how you change each .grad: after your call, does the parameter still hold the same gradient "
+          "tensor, with new values?",
+    idea="clipping changes the values of the existing gradient tensors in place; assigning a new tensor, to the "
+         "parameter or to a loop variable, leaves the old one as it was for everyone who holds it",
+    formula=_CLIP_FORMULA)
+_FACTOR = Hint(
+    nudge="look at the factor you scale each gradient by, and at when you apply it",
+    idea="one factor for all the gradients, computed from the global norm, and applied only when that norm exceeds "
+         "max_norm: gradients under the max are left as they are, never scaled up",
+    formula=_CLIP_FORMULA)
+_CLIP_HINTS = {"norm": _NORM, "norm after": _NORM, "squared norm": _NORM, "norms summed": _NORM,
+               "no gradients": _NONE, "None not skipped": _NONE, "None filled": _NONE,
+               "new tensor": _IN_PLACE, "not scaled": _IN_PLACE,
+               "generator twice": Hint(
+                   nudge="look at how many times your code loops over parameters",
+                   idea="parameters may be a generator, as model.parameters() is, and a generator is used up by the "
+                        "first loop over it: a second loop sees no parameters at all",
+                   formula=_CLIP_FORMULA),
+               "per tensor": _FACTOR, "rescaled up": _FACTOR}
+
+
 def _run_clip(fn, case: dict, params: list, what: str):
     """The learner's call; a crash on a None gradient, or on no gradient at all, is named."""
     try:
@@ -221,17 +294,22 @@ def _run_clip(fn, case: dict, params: list, what: str):
         error = f"your code raised {type(e).__name__}: {e}"
         if len(case["none"]) == len(params):
             raise Mismatch(f"{what}: no parameter has a gradient and {error}; the norm of no gradients is 0 (torch "
-                           "returns tensor(0.)) and nothing is scaled") from None
+                           "returns tensor(0.)) and nothing is scaled", mistake="no gradients",
+                           hint=_CLIP_HINTS["no gradients"]) from None
         if case["none"] and "NoneType" in str(e):
             raise Mismatch(f"{what}: parameter {case['none'][0]} has .grad None (it took no part in the loss, or is "
-                           f"frozen) and {error}; skip such parameters, as torch does") from None
+                           f"frozen) and {error}; skip such parameters, as torch does", mistake="None not skipped",
+                           hint=_CLIP_HINTS["None not skipped"]) from None
         raise
 
 
-@check("6.2", "clipping by the global norm",
-       hint="norm = √(Σ over every parameter whose .grad is not None of (g²).sum()) — one norm for all gradients "
-            "together; if norm > max_norm multiply every such .grad in place by max_norm / (norm + 1e-6) "
-            "(g.mul_(c)), else leave them; return the norm from before; list(parameters) first if you loop twice")
+@check("6.2", "clipping by the global norm", hint=Hint(
+    nudge="look at which norm you compute (of which gradients, before or after clipping) and at how you change each "
+          ".grad",
+    idea="one norm of all the gradients together, as if they were one vector, decides one factor that scales every "
+         "gradient in place, and only when that norm exceeds max_norm; parameters without a gradient are left out, "
+         "and the norm returned is the one from before",
+    formula=_CLIP_FORMULA))
 def clip_grad_norm(fn):
     """`fn(parameters, max_norm)`: clip the gradients in place by their global L2 norm; return the norm before."""
 
@@ -253,22 +331,28 @@ def clip_grad_norm(fn):
         grads = [p.grad for p in params if p.grad is not None]
         # torch's fp32 norm vs the answer's (fp32 or float64, any order): ≲ 1e-6 apart (see _all_close)
         if not math.isclose(norm, want, rel_tol=1e-5):
-            known = {"the norm after clipping: return the norm the gradients had before (torch does; it is what a "
-                     "training log records)": math.sqrt(sum(n * n for n in _norms(grads))) if case["ratio"] > 1
-                     else math.nan,
-                     "the squared norm: take the square root of the sum of squares": want * want,
-                     "the per-tensor norms added up: the global norm is √(Σᵢ ‖gᵢ‖²), the norm of all gradients as "
-                     "one vector": sum(_norms(grads_before))}
-            text = next((t for t, value in known.items() if math.isclose(norm, value, rel_tol=1e-5)), None)
-            raise Mismatch(f"{what}: returned {norm:.6g}, expected {want:.6g}" + (f": {text}" if text else ""))
+            known = {("norm after", "the norm after clipping: return the norm the gradients had before (torch does; it "
+                      "is what a training log records)"): math.sqrt(sum(n * n for n in _norms(grads)))
+                     if case["ratio"] > 1 else math.nan,
+                     ("squared norm", "the squared norm: take the square root of the sum of squares"): want * want,
+                     ("norms summed", "the per-tensor norms added up: the global norm is √(Σᵢ ‖gᵢ‖²), the norm of all "
+                      "gradients as one vector"): sum(_norms(grads_before))}
+            found = next((k for k, value in known.items() if math.isclose(norm, value, rel_tol=1e-5)), None)
+            if found:
+                raise Mismatch(f"{what}: returned {norm:.6g}, expected {want:.6g}: {found[1]}", mistake=found[0],
+                               hint=_CLIP_HINTS[found[0]])
+            raise Mismatch(f"{what}: returned {norm:.6g}, expected {want:.6g}", mistake="norm",
+                           hint=_CLIP_HINTS["norm"])
         for i, (p, x) in enumerate(zip(params, held, strict=True)):
             if x is None and p.grad is not None:
                 raise Mismatch(f"{what}: parameter {i} had .grad None and now has a gradient: skip parameters whose "
-                               ".grad is None (an optimizer would otherwise update a frozen parameter)")
+                               ".grad is None (an optimizer would otherwise update a frozen parameter)",
+                               mistake="None filled", hint=_CLIP_HINTS["None filled"])
             if x is not None and p.grad is not x:
                 raise Mismatch(f"{what}: parameter {i}'s .grad is a new tensor: scale the existing one in place "
                                "(p.grad.mul_(c)), as torch does — other code holds references to it (DDP's "
-                               "gradient buckets are views of .grad)")
+                               "gradient buckets are views of .grad)", mistake="new tensor",
+                               hint=_CLIP_HINTS["new tensor"])
         wants = [t.grad for t in theirs if t.grad is not None]
         if _all_close(grads, wants):
             continue
@@ -276,19 +360,21 @@ def clip_grad_norm(fn):
             if case.get("generator"):
                 raise Mismatch(f"{what}: the norm is right but the gradients were not scaled: parameters is a "
                                "generator here (model.parameters() is one), so a second loop over it sees nothing; "
-                               "make it a list first")
+                               "make it a list first", mistake="generator twice", hint=_CLIP_HINTS["generator twice"])
             raise Mismatch(f"{what}: the gradients are unchanged although their norm exceeds max_norm: scale each "
-                           ".grad in place, g.mul_(c) — `g = g * c` only rebinds a local name")
+                           ".grad in place, g.mul_(c) — `g = g * c` only rebinds a local name", mistake="not scaled",
+                           hint=_CLIP_HINTS["not scaled"])
         coefficient = case["max_norm"] / (want + _EPS)
         per_tensor = [x * min(1.0, case["max_norm"] / (n + _EPS)) for x, n in zip(grads_before, _norms(grads_before),
                                                                                    strict=True)]
         if case["ratio"] > 1 and _all_close(grads, per_tensor):
             raise Mismatch(f"{what}: each tensor was clipped by its own norm: the norm is global, over all gradients "
                            "together, and every gradient is scaled by the same max_norm / (norm + 1e-6), which keeps "
-                           "the direction of the whole update")
+                           "the direction of the whole update", mistake="per tensor", hint=_CLIP_HINTS["per tensor"])
         if case["ratio"] < 1 and _all_close(grads, [x * coefficient for x in grads_before]):
             raise Mismatch(f"{what}: the gradients were rescaled (×{coefficient:.3g}, up) although their norm is "
-                           "under max_norm: scale only when the norm exceeds it, by min(1, max_norm / (norm + 1e-6))")
+                           "under max_norm: scale only when the norm exceeds it, by min(1, max_norm / (norm + 1e-6))",
+                           mistake="rescaled up", hint=_CLIP_HINTS["rescaled up"])
         for i, (x, y) in enumerate(zip(grads, wants, strict=True)):
             assert_close(x, y, what=f"{what}: gradient {i}", rtol=1e-5, atol=0.0)  # tolerance: see _all_close
 
@@ -377,10 +463,44 @@ _STEP_MISTAKES = {
 }
 
 
-@check("6.3", "one update: accumulate, unscale, clip, step",
-       hint="zero the gradients; for each of the k micro-batches backward scaler.scale_loss(loss_fn(model, batch) / "
-            "k); found_inf = scaler.unscale_(grads); scaler.update(found_inf); if found_inf return False (no clip, "
-            "no step); else clip the unscaled gradients to max_norm, optimizer.step() and return True")
+_STEP_FORMULA = ("zero the gradients; for each of the k micro-batches backward scaler.scale_loss(loss_fn(model, "
+                 "batch) / k); found_inf = scaler.unscale_(grads); scaler.update(found_inf); if found_inf return "
+                 "False (no clip, no step); else clip the unscaled gradients to max_norm, optimizer.step() and return "
+                 "True")
+_UNSCALE = Hint(
+    nudge="look at what .grad holds when you clip and step: is the loss scale still in it?",
+    idea="backward of the scaled loss leaves S·g in .grad; scaler.unscale_ divides S out (and says whether any "
+         "gradient is inf or NaN), and both the clip and the step must see the true gradients",
+    formula=_STEP_FORMULA)
+_ACCUMULATE = Hint(
+    nudge="look at the gradient your micro-batch loop leaves in .grad: whose micro-batches it holds, and at what "
+          "weight",
+    idea="start from zeroed gradients, and let each of the k backward passes add 1/k of its micro-batch's scaled "
+         "gradient, so that .grad holds S times the gradient of the mean loss",
+    formula=_STEP_FORMULA)
+_SCALE = Hint(
+    nudge="look at where, and how often, you call scaler.update",
+    idea="the scaler backs off after an overflow and grows after clean updates only if it hears of every update: "
+         "tell it once per update, with what unscale_ returned, whether or not the optimizer steps",
+    formula=_STEP_FORMULA)
+_STEP_HINTS = {
+    "clip first": _UNSCALE, "no unscale": _UNSCALE, "no 1/k": _ACCUMULATE, "no zeroing": _ACCUMULATE,
+    "step on inf": Hint(
+        nudge="look at what your update does when unscale_ reports gradients that are inf or NaN",
+        idea="an overflow means this update's gradients are unusable: the scaler still backs off, but the clip "
+             "and the optimizer step are skipped, and the update reports that it did not step",
+        formula=_STEP_FORMULA),
+    "scale not updated": _SCALE, "scale wrong": _SCALE,
+}
+
+
+@check("6.3", "one update: accumulate, unscale, clip, step", hint=Hint(
+    nudge="look at the order of the update's parts, and at what .grad holds after each of them: scaled or not, the "
+          "mean or the sum, this update's micro-batches alone or more",
+    idea="the k backward passes of the scaled losses divided by k leave S times the mean gradient in freshly zeroed "
+         ".grad; unscale it before anything reads it, update the scale, and clip and step only when the gradients "
+         "are finite",
+    formula=_STEP_FORMULA))
 def scaled_step(fn):
     """`fn(model, optimizer, scaler, loss_fn, batches, max_norm)`: one update; True if the optimizer stepped."""
 
@@ -396,21 +516,23 @@ def scaled_step(fn):
             ", stale gradients in .grad" if case["stale"] else "")
         if not all(bool(torch.isfinite(p).all()) for p in mine):
             raise Mismatch(f"{what}: the weights are now inf/NaN: the optimizer stepped on non-finite gradients; "
-                           "when unscale_ reports them (found_inf), skip the clip and the step")
+                           "when unscale_ reports them (found_inf), skip the clip and the step", mistake="step on inf",
+                           hint=_STEP_HINTS["step on inf"])
         if not _same(mine, updates):
-            known = next((text for mistake, text in _STEP_MISTAKES.items()
-                          if _same(mine, _reference(case, mistake)[0])), None)
+            known = next((mistake for mistake in _STEP_MISTAKES if _same(mine, _reference(case, mistake)[0])), None)
             if known:
-                raise Mismatch(f"{what}: {known}")
+                raise Mismatch(f"{what}: {_STEP_MISTAKES[known]}", mistake=known, hint=_STEP_HINTS[known])
             for (name, _), got_update, want in zip(model.named_parameters(), mine, updates, strict=True):
                 assert_close(got_update, want, what=f"{what}: the update of {name}", **_update_tol(want))
         if scaler.scale != scale:
             if scaler.scale == case["scale"]:
                 raise Mismatch(f"{what}: the loss scale is still {case['scale']:g}, expected "
                                f"{scale:g}: call scaler.update(found_inf) every update — it backs off (×0.5) after "
-                               "an overflow and grows (×2) after clean updates (this scaler after every one)")
+                               "an overflow and grows (×2) after clean updates (this scaler after every one)",
+                               mistake="scale not updated", hint=_STEP_HINTS["scale not updated"])
             raise Mismatch(f"{what}: the loss scale ended at {scaler.scale:g}, expected {scale:g}: call "
-                           "scaler.update(found_inf) once per update, with what unscale_ returned")
+                           "scaler.update(found_inf) once per update, with what unscale_ returned",
+                           mistake="scale wrong", hint=_STEP_HINTS["scale wrong"])
         if not isinstance(got, bool) or got != stepped:
             raise Mismatch(f"{what}: returned {got!r}, expected {stepped} (True: the optimizer stepped; False: the "
                            "update was skipped)")

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from llmlab.checks import Mismatch, check
+from llmlab.checks import Hint, Mismatch, check
 from llmlab.data import MarkovSource, SyntheticDataset
 from llmlab.diagnose.divergence import check_targets, lr_range_test
 from llmlab.model import GPT, GPTConfig
@@ -65,7 +65,11 @@ SCALE_RTOL = 1e-3  # a gradient scale that is right is 1 up to float32 rounding;
 
 
 class _Overrun(Exception):
-    """Raised inside the learner's train by the check's hooks: too many steps, or past the deadline."""
+    """Raised inside the learner's train by the check's hooks: too many steps, or past the deadline (`mistake`)."""
+
+    def __init__(self, message: str, mistake: str):
+        super().__init__(message)
+        self.mistake = mistake
 
 
 @dataclass
@@ -102,7 +106,7 @@ class _Watch:
 
     def _tick(self):
         if time.monotonic() > self.deadline:
-            raise _Overrun(f"train did not finish within {TIMEOUT_S:g} s")
+            raise _Overrun(f"train did not finish within {TIMEOUT_S:g} s", "deadline")
 
     def _on_step(self, optimizer, args, kwargs):
         mine = {id(p) for p in self.model.parameters()}
@@ -111,7 +115,7 @@ class _Watch:
             return  # another model's optimizer (e.g. an lr_range_test inside train)
         self._tick()
         if len(self.steps) == self.max_steps:
-            raise _Overrun(f"train made more than steps={self.max_steps} optimizer steps")
+            raise _Overrun(f"train made more than steps={self.max_steps} optimizer steps", "too many steps")
         grads = {n: None if p.grad is None else p.grad.detach().double().clone()
                  for n, p in self.model.named_parameters()}
         self.steps.append({"lr": max(g["lr"] for g in groups), "optimizer": type(optimizer), "grads": grads})
@@ -187,28 +191,30 @@ def _probe(train, seed: int, k: int) -> tuple[dict, dict]:
     if len(steps) != PROBE_STEPS or per_step != [k] * PROBE_STEPS:
         raise Mismatch(f"train(model, batches, steps={PROBE_STEPS}, accum_steps={k}) made {len(steps)} optimizer "
                        f"steps, with {per_step} backward passes of a loss of the model's logits before each; expected "
-                       f"{PROBE_STEPS} steps of {k} (one per micro-batch)")
-    faults = dict.fromkeys(FAULTS)
+                       f"{PROBE_STEPS} steps of {k} (one per micro-batch)", mistake="loop", hint=_HINTS["loop"])
+    faults = dict.fromkeys(FAULTS)  # fault → (the mistake's key in _HINTS, message), None where fixed
     seen = {"lr": max(s["lr"] for s in steps), "optimizer": steps[0]["optimizer"], "unchecked": ()}
     if not all(torch.isfinite(b.g).all() for b in runs) or any(s["grads"]["bias"] is None for s in steps):
-        faults["loss"] = ("the loss's gradient is NaN, inf or missing at optimizer.step() (divergence.NonFiniteWatch "
-                          "finds where a NaN is born)")
+        faults["loss"] = ("loss: not finite", "the loss's gradient is NaN, inf or missing at optimizer.step() "
+                          "(divergence.NonFiniteWatch finds where a NaN is born)")
         return faults, {**seen, "unchecked": ("data", "accumulation", "zero_grad")}
     for b in runs:
         _read(b)
     forms = {b.form for b in runs}
     if forms == {"softmax first"}:
         floor = math.log(config.vocab_size - 1 + math.e) - 1
-        faults["loss"] = (f"the loss is cross_entropy of softmax(logits): cross_entropy applies log-softmax itself, so "
-                          f"even a perfect prediction costs {floor:.3g}, and at the start the gradient is about 1/V of "
-                          "cross-entropy's (divergence.check_loss(your loss function) says so)")
+        faults["loss"] = ("loss: softmax first", f"the loss is cross_entropy of softmax(logits): cross_entropy "
+                          f"applies log-softmax itself, so even a perfect prediction costs {floor:.3g}, and at the "
+                          "start the gradient is about 1/V of cross-entropy's (divergence.check_loss(your loss "
+                          "function) says so)")
     elif forms != {"cross-entropy"}:
-        faults["loss"] = ("the gradient of your loss with respect to the logits is not that of their cross-entropy "
-                          "over every position (divergence.check_loss(your loss function) tells what differs)")
+        faults["loss"] = ("loss: not cross-entropy", "the gradient of your loss with respect to the logits is not that "
+                          "of their cross-entropy over every position (divergence.check_loss(your loss function) "
+                          "tells what differs)")
         return faults, {**seen, "unchecked": ("data", "accumulation")}
     problems = check_targets(runs[0].x, runs[0].y)
     if problems:
-        faults["data"] = f"{problems[0]} (divergence.check_targets(x, y) on one batch says so)"
+        faults["data"] = ("data", f"{problems[0]} (divergence.check_targets(x, y) on one batch says so)")
     faults["zero_grad"], last_only = _zero_grad(runs, steps[1]["grads"]["bias"])
     if last_only:
         seen["unchecked"] = ("accumulation",)
@@ -224,36 +230,41 @@ def _summed(runs) -> object:
     return sum(b.g.sum((0, 1)) for b in runs)
 
 
-def _zero_grad(runs, got) -> tuple[str | None, bool]:
-    """(message or None, whether only the last micro-batch counted), from the bias' gradient `got` at step 2."""
+def _zero_grad(runs, got) -> tuple[tuple[str, str] | None, bool]:
+    """((the mistake's key, message) or None, whether only the last micro-batch counted), from the bias' gradient
+    `got` at step 2."""
     second = [b for b in runs if b.step == 1]
     candidates = {"ok": _summed(second), "never zeroed": _summed(runs), "last only": _summed(second[-1:])}
     fitting = [name for name, e in candidates.items() if _fit(got, e)[1] < FIT_TOL]  # any scale: clipping is fine
     if "ok" in fitting:
         return None, False
     if "never zeroed" in fitting:
-        return ("at the second optimizer step the gradient still holds the first step's: optimizer.zero_grad() is "
-                "never called, so gradients add up across steps (print llmlab.train.grad_norm(model.parameters()) "
-                "at each step: it keeps growing)"), False
+        return ("zero_grad: never", "at the second optimizer step the gradient still holds the first step's: "
+                "optimizer.zero_grad() is never called, so gradients add up across steps (print "
+                "llmlab.train.grad_norm(model.parameters()) at each step: it keeps growing)"), False
     if "last only" in fitting:
-        return ("the gradient at each optimizer step is the last micro-batch's alone: the gradients are zeroed "
-                "inside the micro-batch loop, so accumulation keeps 1 micro-batch of accum_steps"), True
-    return "the gradient at the second optimizer step is not the sum of that step's micro-batches' gradients", False
+        return ("zero_grad: in the loop", "the gradient at each optimizer step is the last micro-batch's alone: the "
+                "gradients are zeroed inside the micro-batch loop, so accumulation keeps 1 micro-batch of "
+                "accum_steps"), True
+    return ("zero_grad: other", "the gradient at the second optimizer step is not the sum of that step's "
+            "micro-batches' gradients"), False
 
 
-def _accumulation(first, got) -> str | None:
-    """Compare the first step's bias gradient `got` with the mean loss's over its k micro-batches `first`."""
+def _accumulation(first, got) -> tuple[str, str] | None:
+    """Compare the first step's bias gradient `got` with the mean loss's over its k micro-batches `first`: (the
+    mistake's key, message), or None."""
     k, positions = len(first), first[0].y.numel()
     mean = sum(b.e.sum((0, 1)) for b in first) / (k * positions)  # (V,)
     scale, residual = _fit(got, mean)
     if residual < FIT_TOL and abs(scale - 1) < SCALE_RTOL:
         return None
     if residual < FIT_TOL and abs(scale / k - 1) < SCALE_RTOL:
-        return (f"the accumulated gradient is {k}× the gradient of the mean loss: each micro-batch's loss is not "
-                f"divided by accum_steps={k}, as if the lr were {k}× higher under SGD "
-                "(llmlab.accumulate.accumulate_gradients is the reference)")
-    return (f"the gradient at the first optimizer step is {scale:.3g}× the gradient of the mean loss over the step's "
-            f"{k} micro-batches of {positions} positions" + ("" if residual < FIT_TOL else ", and not parallel to it"))
+        return "accumulation", (f"the accumulated gradient is {k}× the gradient of the mean loss: each micro-batch's "
+                                f"loss is not divided by accum_steps={k}, as if the lr were {k}× higher under SGD "
+                                "(llmlab.accumulate.accumulate_gradients is the reference)")
+    return "accumulation", (f"the gradient at the first optimizer step is {scale:.3g}× the gradient of the mean loss "
+                            f"over the step's {k} micro-batches of {positions} positions"
+                            + ("" if residual < FIT_TOL else ", and not parallel to it"))
 
 
 def _reported(losses, runs, k: int) -> str | None:
@@ -272,8 +283,9 @@ def _reported(losses, runs, k: int) -> str | None:
     return None
 
 
-def _lr_fault(lr: float, optimizer, seed: int) -> str | None:
-    """The learning-rate fault: `lr` past the minimum of lr_range_test's curve on a fresh tiny GPT (or None)."""
+def _lr_fault(lr: float, optimizer, seed: int) -> tuple[str, str] | None:
+    """The learning-rate fault, (its key, message): `lr` past the minimum of lr_range_test's curve on a fresh tiny
+    GPT (or None)."""
 
     torch.manual_seed(seed)
     model = GPT(GPTConfig.preset("tiny", block_size=TRAIN_T))
@@ -283,9 +295,10 @@ def _lr_fault(lr: float, optimizer, seed: int) -> str | None:
     if not curve.too_high(lr):
         return None
     blew = f"; the loss blew up at {curve.diverged_at:.2g}" if curve.diverged_at else ""
-    return (f"lr={lr:g} is past the minimum of the LR range test's curve (at {curve.best_lr:.2g}{blew}), so the loss "
-            f"climbs instead of falling (divergence.lr_range_test(model, data.get_batch) draws that curve; a safe lr "
-            f"is about its suggested_lr, {curve.suggested_lr:.1g})")
+    return "learning rate", (f"lr={lr:g} is past the minimum of the LR range test's curve (at {curve.best_lr:.2g}"
+                             f"{blew}), so the loss climbs instead of falling (divergence.lr_range_test(model, "
+                             f"data.get_batch) draws that curve; a safe lr is about its suggested_lr, "
+                             f"{curve.suggested_lr:.1g})")
 
 
 def _training_run(train, seed: int) -> tuple[float, float]:
@@ -302,9 +315,100 @@ def _training_run(train, seed: int) -> tuple[float, float]:
     return held_out, data.source.best_loss(TRAIN_T)
 
 
-@check("7.1", "find the bugs",
-       hint="fix one fault at a time and run this check again; each fault names the llmlab.diagnose tool that shows "
-            "it, so run that tool on your own script and see the fault for yourself before you fix it")
+_CROSS_ENTROPY = ("loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()): pass the model's logits themselves, "
+                  "with no softmax before (cross_entropy applies log-softmax itself)")
+_ZERO_ONCE = ("optimizer.zero_grad() once at the start of every step, before its first micro-batch, and not again "
+              "until after optimizer.step()")
+_LOOP = Hint(
+    nudge="count the optimizer steps your script makes, and the backward passes before each of them",
+    idea="train makes exactly `steps` optimizer steps, and each follows exactly accum_steps backward passes, one "
+         "for each micro-batch of that step",
+    formula="for step in range(steps): zero the gradients; for micro in range(accum_steps): backward the loss of "
+            "batches(step * accum_steps + micro) divided by accum_steps; then optimizer.step() once")
+# The hint of each mistake the check names: for a fault, the llmlab tool that shows it (nudge), what the fault is
+# (idea) and the fix (formula). With several faults left, the message lists them all and the hint is the first's.
+_HINTS = {
+    "data": Hint(
+        nudge="run divergence.check_targets(x, y) on one batch of inputs and targets, cut from the rows as your "
+              "script cuts them",
+        idea="a language model predicts the next token: the target at position t is the input at position t + 1, so "
+             "x and y come from the same rows, one token apart",
+        formula="x, y = rows[:, :-1], rows[:, 1:]: the inputs are every token but the last, the targets every token "
+                "but the first"),
+    "loss: softmax first": Hint(
+        nudge="run divergence.check_loss on the loss your script computes from the logits, and see what a perfect "
+              "prediction costs",
+        idea="F.cross_entropy expects raw logits and applies log-softmax itself; given probabilities, it applies a "
+             "second softmax, so the loss can never reach 0 and its gradient is tiny",
+        formula=_CROSS_ENTROPY),
+    "loss: not cross-entropy": Hint(
+        nudge="run divergence.check_loss on the loss your script computes from the logits",
+        idea="the loss must be the mean cross-entropy of the raw logits against the targets, over every position of "
+             "the batch",
+        formula=_CROSS_ENTROPY),
+    "loss: not finite": Hint(
+        nudge="run a step of your script inside divergence.NonFiniteWatch(model) and see where the first NaN or inf "
+              "is born (watch.check_grads() after backward)",
+        idea="the gradient at optimizer.step() must be there and finite: a NaN or inf comes from an operation that "
+             "overflows or divides by zero, and a missing one from gradients cleared between backward and the step",
+        formula="the gradient at each optimizer.step() is that of F.cross_entropy(logits.flatten(0, 1), y.flatten()) "
+                "on the raw logits, accumulated since the step's zero_grad(): no zeroing between the backward passes "
+                "and the step"),
+    "accumulation": Hint(
+        nudge="compare the gradient your script builds at its first step with the one "
+              "llmlab.accumulate.accumulate_gradients builds from the same micro-batches",
+        idea="backward adds each micro-batch's gradient into .grad, so accum_steps of them sum to accum_steps times "
+             "the gradient of the mean loss unless each loss is weighted 1/accum_steps",
+        formula="(loss / accum_steps).backward() for each micro-batch, while the step's reported loss adds up "
+                "loss.item() undivided"),
+    "zero_grad: never": Hint(
+        nudge="print llmlab.train.grad_norm(model.parameters()) just before each optimizer.step() and watch how it "
+              "moves from step to step",
+        idea="backward adds into .grad and nothing clears it by itself, so without zeroing every step also carries "
+             "the gradients of all the steps before it",
+        formula=_ZERO_ONCE),
+    "zero_grad: in the loop": Hint(
+        nudge="print llmlab.train.grad_norm(model.parameters()) after each micro-batch's backward within one step: "
+              "does it build up?",
+        idea="zeroing the gradients before every micro-batch throws away the ones before it, so only the last of the "
+             "step's accum_steps micro-batches reaches the optimizer step",
+        formula=_ZERO_ONCE),
+    "zero_grad: other": Hint(
+        nudge="print llmlab.train.grad_norm(model.parameters()) just before each optimizer.step() and after each "
+              "micro-batch's backward",
+        idea="the gradient at each step must be the sum of exactly that step's micro-batches' gradients: cleared "
+             "once before them, and not touched between them and the step",
+        formula=_ZERO_ONCE),
+    "learning rate": Hint(
+        nudge="run divergence.lr_range_test(model, data.get_batch) on a fresh model, and compare your script's lr "
+              "with where the curve has its minimum",
+        idea="past the minimum of the LR range test's curve every step overshoots and the loss climbs instead of "
+             "falling; a safe lr lies well below that minimum",
+        formula="give the optimizer an lr of about lr_range_test's suggested_lr, a tenth of the lr at the curve's "
+                "minimum"),
+    "reported loss": Hint(
+        nudge="look at the number your script records as each step's loss",
+        idea="each step's loss is the mean of its micro-batches' cross-entropy as the model computed it, before the "
+             "division by accum_steps, which is there for the gradient only",
+        formula="add up each micro-batch's loss.item(), undivided, append the sum divided by accum_steps once per "
+                "step, and return the list of the steps' losses"),
+    "too slow": Hint(
+        nudge="run divergence.lr_range_test(model, data.get_batch) and compare your script's lr with its "
+              "suggested_lr",
+        idea="an lr below the curve's minimum does not diverge, but one far below its suggested_lr learns too slowly "
+             "to come near the data's best loss in the steps the check gives",
+        formula="give the optimizer an lr of about lr_range_test's suggested_lr, a tenth of the lr at the curve's "
+                "minimum, with every fault fixed"),
+    "loop": _LOOP, "too many steps": _LOOP, "deadline": _LOOP,
+}
+
+
+@check("7.1", "find the bugs", hint=Hint(
+    nudge="read the check's message: it names each fault that remains, and the llmlab tool that shows it",
+    idea="run the named tool on your own script and see the fault for yourself; then fix that fault alone, changing "
+         "as little as you can, and run this check again",
+    formula="fix one fault at a time and run this check again; each fault names the llmlab.diagnose tool that shows "
+            "it, so run that tool on your own script and see the fault for yourself before you fix it"))
 def find_the_bugs(train):
     """`train(model, batches, steps, accum_steps)`: see the module docstring for what it does and how it is probed."""
 
@@ -316,7 +420,7 @@ def find_the_bugs(train):
         with torch.random.fork_rng(devices=[]):  # the learner's own random state is left as it was
             _find(train, seed, k)
     except _Overrun as e:
-        raise Mismatch(str(e)) from None
+        raise Mismatch(str(e), mistake=e.mistake, hint=_HINTS[e.mistake]) from None
     finally:
         torch.set_num_threads(threads)
 
@@ -324,17 +428,22 @@ def find_the_bugs(train):
 def _find(train, seed: int, k: int) -> None:
     faults, seen = _probe(train, seed, k)
     faults["learning rate"] = _lr_fault(seen["lr"], seen["optimizer"], seed)
-    present = [f"{name}: {faults[name]}" for name in FAULTS if faults[name]]
+    present = [name for name in FAULTS if faults[name]]
     if present:
         fixed = [name for name in FAULTS if not faults[name] and name not in seen["unchecked"]]
         later = f"; checked once the others are fixed: {', '.join(seen['unchecked'])}" if seen["unchecked"] else ""
-        raise Mismatch(f"{len(present)} of {len(FAULTS)} faults remain — " + "; ".join(present)
-                       + f"; fixed: {', '.join(fixed) or 'none yet'}{later}")
+        first = f"; fix one at a time: the hint is about the first, {present[0]}" if len(present) > 1 else ""
+        mistake = faults[present[0]][0]
+        raise Mismatch(f"{len(present)} of {len(FAULTS)} faults remain — "
+                       + "; ".join(f"{name}: {faults[name][1]}" for name in present)
+                       + f"; fixed: {', '.join(fixed) or 'none yet'}{later}{first}", mistake=mistake,
+                       hint=_HINTS[mistake])
     if seen.get("reported"):
-        raise Mismatch(f"all {len(FAULTS)} faults are fixed, but {seen['reported']}")
+        raise Mismatch(f"all {len(FAULTS)} faults are fixed, but {seen['reported']}", mistake="reported loss",
+                       hint=_HINTS["reported loss"])
     held_out, best = _training_run(train, seed + 1)
     if not held_out - best <= TARGET_GAP:
         raise Mismatch(f"all {len(FAULTS)} faults are fixed, but after {TRAIN_STEPS} steps the tiny GPT's held-out "
                        f"loss is {held_out:.3f}, {held_out - best:.2f} above the data's best possible {best:.3f}; the "
                        f"fixed script gets within {TARGET_GAP:g} (lr {seen['lr']:g}: is it about lr_range_test's "
-                       "suggested_lr?)")
+                       "suggested_lr?)", mistake="too slow", hint=_HINTS["too slow"])
