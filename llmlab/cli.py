@@ -4,6 +4,7 @@
     llmlab exercises build             write exercises/ from solutions/
     llmlab exercises check             fail when exercises/ is stale
     llmlab grade NOTEBOOK [--json]     run a learner's notebook against its chapter's official checks
+    llmlab grade --all                 every chapter's exercises: passed / total per chapter
     llmlab bench NAME [--json PATH]    run a benchmark (see `llmlab bench --help`)
     llmlab results [--check]           write README's results tables from results/*.json
     llmlab train [FLAGS]               the capstone: compose DP/ZeRO/TP/... by flags (see `llmlab train --help`)
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -49,8 +51,17 @@ def _grade(args) -> int:
     if args.memory is not None and not args.memory > 0:
         raise ValueError(f"--memory {args.memory:g}: must be a positive number of GiB")
     memory = None if args.memory is None else int(args.memory * 2**30)
+    if args.all == (args.notebook is not None):
+        raise ValueError("name one NOTEBOOK, or --all for every chapter's exercises")
+    if args.all and (args.solution or args.report):
+        raise ValueError("--all grades each chapter against its own solution and writes no --report")
     solution = None if args.solution is None else Path(args.solution)
     try:
+        if args.all:
+            reports = grade.progress(".", timeout=args.timeout, memory=memory, isolate=args.isolate)
+            print(json.dumps([json.loads(r.to_json()) for r in reports], indent=2, ensure_ascii=False)
+                  if args.json else grade.progress_table(reports))
+            return 0 if all(r.all_passed for r in reports) else 1
         report = grade.grade(Path(args.notebook), timeout=args.timeout, solution=solution, memory=memory,
                              isolate=args.isolate)
     except sandbox.SandboxUnavailable as e:
@@ -107,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.set_defaults(func=_exercises)
 
     gr = sub.add_parser("grade", help="execute a learner's notebook and report each exercise")
-    gr.add_argument("notebook")
+    gr.add_argument("notebook", nargs="?", help="a notebook, or a chapter's name (04_communication)")
+    gr.add_argument("--all", action="store_true",
+                    help="every chapter's exercise notebook: passed / total per chapter (untouched ones not run)")
     gr.add_argument("--json", action="store_true", help="machine-readable report")
     gr.add_argument("--report", default=None, help="also write the JSON report to this path (atomically)")
     gr.add_argument("--timeout", type=float, default=600, help="seconds for the whole notebook")

@@ -329,3 +329,22 @@ def test_isolate_runs_the_notebook_without_network_writes_or_other_processes(bui
     report = grade.grade(learner, timeout=120, solution=built / "solutions" / learner.name, isolate=True)
     assert [(row.status, row.detail) for row in report.rows] == [("passed", ""), ("passed", "")]
     assert not any(Path(target).exists() and "escaped" in Path(target).read_text() for target in targets)
+
+
+def test_grade_all_shows_each_chapter_s_progress_and_runs_only_edited_notebooks(tmp_path, monkeypatch, capsys):
+    root = copy_fixture(tmp_path / "project")
+    notebooks.build(root)
+    learner = root / "exercises" / "01_softmax.ipynb"
+    edit_cell(learner, 'raise NotImplementedError("Exercise 1.1: Softmax")',
+              "return torch.softmax(x, dim=dim)")  # 1.1 answered; 1.2 left; 02 untouched
+    reports = grade.progress(root, timeout=120)
+    assert [r.notebook.name for r in reports] == list(SOLUTIONS)
+    assert [[row.status for row in r.rows] for r in reports] == [["passed", "not attempted"], ["not attempted"]]
+    assert reports[0].seconds > 0 and reports[1].seconds == 0  # the untouched notebook was not run
+    monkeypatch.chdir(root)
+    assert cli.main(["grade", "--all"]) == 1  # not all passed
+    table = capsys.readouterr().out
+    assert "01_softmax         1 / 2   ✅1.1 ⏳1.2" in table and "02_cross_entropy   0 / 1   ⏳2.1" in table
+    assert table.rstrip().endswith("1 of 3 exercises passed in 2 chapters.")
+    assert cli.main(["grade", "--all", "01_softmax"]) == 2
+    assert "name one NOTEBOOK, or --all" in capsys.readouterr().err

@@ -37,7 +37,8 @@ run it top to bottom (**Run ▸ Run All Cells**); then open its exercises. In an
 `raise NotImplementedError(...)` marks code for you to write, and the check cell below it tests your answer on
 fresh random inputs: ✅ passed, ⏳ not attempted yet, or ❌ failed with what differs and a hint. Save your work
 with **File ▸ Save** (Ctrl+S); to grade a whole notebook, open a terminal (**File ▸ New ▸ Terminal**) and run
-`llmlab grade exercises/01_compute.ipynb`.
+`llmlab grade exercises/01_compute.ipynb`; `llmlab grade --all` shows your progress in every chapter (exercises
+passed of each chapter's total).
 
 The file browser on the left shows the whole project: `chapters/`, `exercises/`, and `solutions/` with the answers
 (try first).

@@ -46,7 +46,7 @@ from traitlets import List, Unicode
 
 from llmlab.checks import FAILED, NOT_ATTEMPTED, PASSED
 from llmlab.exercises import official as officials_of
-from llmlab.exercises.notebooks import cell_exercises, read_notebook
+from llmlab.exercises.notebooks import cell_exercises, read_notebook, untouched
 from llmlab.exercises.sandbox import Reaper, bubblewrap, memory_limit, physical_memory
 
 ERROR = "error"
@@ -157,6 +157,39 @@ def grade(path: Path, timeout: float = 600, *, solution: Path | None = None, mem
     stop, outcomes = _run(nb, steps, path.resolve().parent, timeout, memory=memory, isolate=isolate)
     rows = [_row(nb, official, official in steps, outcomes.get(official.exercise), stop) for official in officials]
     return Report(path, tuple(rows), time.monotonic() - started, stop, solution)
+
+
+def progress(root: Path | str = ".", timeout: float = 600, **options) -> list[Report]:
+    """Every chapter's exercise notebook under `root` (exercises/NN_topic.ipynb) graded against its solution, in
+    chapter order. A notebook still as `llmlab exercises build` wrote it holds none of the learner's code: its
+    exercises are reported not attempted without running it. `options` go to :func:`grade`."""
+    root = Path(root)
+    reports = []
+    for path in sorted((root / "exercises").glob("[0-9][0-9]_*.ipynb")):
+        solution = root / "solutions" / path.name
+        if solution.is_file() and untouched(read_notebook(path)):
+            rows = tuple(Row(o.exercise, o.title, NOT_ATTEMPTED) for o in officials_of.read(solution))
+            reports.append(Report(path, rows, 0.0, against=solution))
+        else:
+            reports.append(grade(path, timeout, solution=solution, **options))
+    if not reports:
+        raise FileNotFoundError(f"{root / 'exercises'}: no exercise notebooks (NN_topic.ipynb): run from the project "
+                                "root, or `llmlab exercises build` first")
+    return reports
+
+
+def progress_table(reports: list[Report]) -> str:
+    """One line per chapter: exercises passed of its total, and each exercise's mark; then the course's total."""
+    width = max(len(r.notebook.stem) for r in reports)
+    lines = []
+    for r in reports:
+        passed = sum(row.status == PASSED for row in r.rows)
+        marks = " ".join(f"{_ICONS[row.status]}{row.exercise}" for row in r.rows)
+        lines.append(f"{r.notebook.stem:<{width}}  {passed:>2} / {len(r.rows):<2}  {marks}")
+    passed, total = (sum(sum(row.status == PASSED for row in r.rows) for r in reports),
+                     sum(len(r.rows) for r in reports))
+    lines += ["", f"{passed} of {total} exercises passed in {len(reports)} chapters."]
+    return "\n".join(lines)
 
 
 def locate(notebook: Path | str) -> Path:

@@ -354,12 +354,17 @@ def _why_different(path: Path, name: str) -> str:
         nb = read_notebook(path)
     except NotebookError as e:
         return f"hand-edited: it is no longer a valid notebook ({e})"
-    if nb.metadata.get("llmlab", {}).get("sha256") != _fingerprint(nb):
+    if not untouched(nb):
         return (
             f"hand-edited: it differs from what `llmlab exercises build` wrote; "
             f"make the change in solutions/{name} instead"
         )
     return f"stale: solutions/{name} changed since exercises/ was built"
+
+
+def untouched(nb: nbformat.NotebookNode) -> bool:
+    """True when the exercise notebook `nb` is as `llmlab exercises build` wrote it (its fingerprint matches)."""
+    return nb.metadata.get("llmlab", {}).get("sha256") == _fingerprint(nb)
 
 
 def _fingerprint(nb: nbformat.NotebookNode) -> str:
