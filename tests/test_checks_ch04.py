@@ -1,6 +1,7 @@
 """Chapter 4's exercise checks (llmlab.checks.ch04): each passes a right answer, reports an unwritten one as
 not attempted (for the ring, a NotImplementedError raised on the ranks), and fails a plausible wrong answer with a
-message naming the mistake — an off-by-one chunk index, a missing step, a missing division — and the hint.
+message naming the mistake — an off-by-one chunk index, a missing step or phase, a missing division, whole tensors
+sent where a chunk is, a copy where the work is in place — and the hint.
 
 The ring answers below are written the way a learner would, with `exchange` (send right and receive left
 together), and run on the checks' own 5 gloo ranks, which the module fixture stops at the end.
@@ -128,6 +129,52 @@ def no_zeroing(model, loss_fn, batches):
         (loss_fn(model, batch) / len(batches)).backward()
 
 
+# --- 4.5 ----------------------------------------------------------------------------------------------------
+
+def all_reduce(tensor, group=None, op="sum", received_shift=0, gather=True, divide=True, copy=False):
+    """The ring all-reduce, in place; `received_shift` moves the chunk received and added in the reduce-scatter (an
+    off-by-one), `gather=False` stops after the reduce-scatter, `divide=False` forgets avg's division, `copy` works
+    on tensor.reshape(-1).clone() and returns that copy, reshaped."""
+    rank, n = td.get_rank(group), td.get_world_size(group)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    flat = tensor.reshape(-1).clone() if copy else tensor.contiguous().view(-1)  # (S,)
+    chunks = flat.tensor_split(n)
+    for step in range(n - 1):
+        c = (rank - step - 2 + received_shift) % n
+        incoming = torch.empty_like(chunks[c])
+        exchange(sends=[(chunks[(rank - step - 1) % n], right)], recvs=[(incoming, left)], group=group)
+        chunks[c].add_(incoming)
+    if op == "avg" and divide:
+        chunks[rank].div_(n)
+    for step in range(n - 1 if gather else 0):
+        exchange(sends=[(chunks[(rank - step) % n], right)], recvs=[(chunks[(rank - step - 1) % n], left)],
+                 group=group)
+    if copy:
+        return flat.view(tensor.shape)
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view(tensor.shape))
+    return tensor
+
+
+def whole_tensors(tensor, group=None, op="sum"):
+    """Right sums, by passing every rank's whole tensor round the ring: N−1 messages of S elements."""
+    rank, n = td.get_rank(group), td.get_world_size(group)
+    passing, total = tensor.clone(), tensor.clone()
+    for _ in range(n - 1):
+        incoming = torch.empty_like(passing)
+        exchange(sends=[(passing, (rank + 1) % n)], recvs=[(incoming, (rank - 1) % n)], group=group)
+        total += incoming
+        passing = incoming
+    return tensor.copy_(total / n if op == "avg" else total)
+
+
+def flat_reshaped(tensor, group=None, op="sum"):
+    """Right for a contiguous tensor; of a transposed one, reshape(-1) is a copy, and the sums stay in it."""
+    flat = tensor.reshape(-1)
+    all_reduce(flat, group, op)
+    return tensor
+
+
 # --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
 
 ANSWERS = [
@@ -158,9 +205,31 @@ ANSWERS = [
     Mistake(ch04.ring_time, lambda s, n, a, b: 2 * (n - 1) * (a + s * b), match="S/N bytes, not all S",
             hint="2(N−1)"),
     Mistake(ch04.ring_time, lambda s, n, a, b: "fast", match="expected a number", hint="2(N−1)"),
+
+    Reference(ch04.ring_all_reduce, all_reduce),
+    Mistake(ch04.ring_all_reduce, lambda t, g=None, op="sum": all_reduce(t, g, op, gather=False),
+            match=r"that is the reduce-scatter alone; the all-gather.* is missing\. Hint 1 of 3: look at the chunks "
+                  "other than", hint="all-gather: at step s send chunk (r−s) mod N"),
+    Mistake(ch04.ring_all_reduce, whole_tensors,
+            match=r"sent a message of \d+ elements, where a ring step sends one chunk.* Hint 1 of 3: look at the size",
+            hint="2(N−1)/N·S"),
+    Mistake(ch04.ring_all_reduce, lambda t, g=None, op="sum": all_reduce(t, g, op, copy=True),
+            match="is a new tensor, not the one your function was given", hint="works in place"),
+    Mistake(ch04.ring_all_reduce, flat_reshaped,
+            match=r"transposed .* your tensor still holds its own input: .*reshape and contiguous\(\) copy it",
+            hint="copy it back"),
+    Mistake(ch04.ring_all_reduce, lambda t, g=None, op="sum": all_reduce(t, g, op, divide=False),
+            match=r"op='avg'.* is the sum over ranks, not the average: op='avg' divides it by N",
+            hint="divide the finished sum by N once"),
+    Mistake(ch04.ring_all_reduce, lambda t, g=None, op="sum": all_reduce(t, g, op, received_shift=1),
+            match=r"(chunk \d of it holds|chunk \d holds .* although every step sent a chunk|a message of \d+ bytes "
+                  r"arrived where it expected).* Hint 1 of 3: look at the chunk indices", hint="receives chunk r−s−2"),
+    Mistake(ch04.ring_all_reduce, lambda t, g=None, op="sum": None,
+            match="your function returned NoneType, expected the tensor it was given", hint="return tensor"),
 ]
 
 
-@pytest.mark.parametrize("check", [ch04.ring_reduce_scatter, ch04.ring_all_gather, ch04.accumulate, ch04.ring_time])
+@pytest.mark.parametrize("check", [ch04.ring_reduce_scatter, ch04.ring_all_gather, ch04.accumulate, ch04.ring_time,
+                                   ch04.ring_all_reduce])
 def test_an_unwritten_answer_is_not_attempted(check, capsys):
     not_attempted(check, unwritten, capsys=capsys)

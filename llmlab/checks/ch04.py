@@ -1,10 +1,12 @@
-"""Checks for chapter 4's exercises (solutions/04_communication.ipynb): the ring's two halves, accumulation, α-β.
+"""Checks for chapter 4's exercises (solutions/04_communication.ipynb): the ring's two halves, accumulation, α-β,
+and the whole ring all-reduce.
 
     from llmlab.checks import ch04 as check
     check.ring_reduce_scatter(ring_reduce_scatter)    # 4.1, on 2–5 gloo ranks
     check.ring_all_gather(ring_all_gather)            # 4.2, on 2–5 gloo ranks
     check.accumulate(accumulate)                      # 4.3
     check.ring_time(ring_allreduce_time)              # 4.4
+    check.ring_all_reduce(ring_all_reduce)            # 4.5, on 2–5 gloo ranks
 
 **Multi-rank checks.** The learner's function travels to real ranks by value (it is defined in a notebook:
 cloudpickle sends its code) and runs there on every world size from 2 to 5: one `dist.Cluster` of 5 gloo
@@ -19,7 +21,10 @@ so any sum of distinct ranks' shares of one chunk, m · (1 + c · 2^n) with m < 
 chunk it is and whose shares it holds. A wrong answer is then named precisely: "rank 2 ended with chunk 3" (an
 off-by-one chunk index), "chunk 2 holds the shares of ranks 1, 2 only" (a step missing), "a share added twice".
 In the all-gather, chunk c of rank r's input is filled with tags naming (r, c), so a misplaced or missing chunk
-is named the same way.
+is named the same way. The all-reduce (4.5) is tagged as the reduce-scatter, and every chunk of every rank's result
+must decode to that chunk with every rank's share; it also runs bf16, float64 and random floats (compared within a
+bound on the roundings of its additions), a 0-d and a transposed tensor, op="avg", and counts the messages each rank
+sends (`llmlab.dist.CommLog`): 2(N−1), each one chunk.
 
 A learner's `NotImplementedError` raised on a rank comes back as a `RankError` and reads "not attempted yet"
 (`llmlab.checks`). A function that deadlocks (a rank waiting for a message nobody sends) is stopped
@@ -41,9 +46,10 @@ from llmlab.accumulate import accumulate_gradients
 from llmlab.checks import Hint, Mismatch, assert_close, check, fresh_rng
 from llmlab.dist import RankError, cost
 from llmlab.dist.collectives import chunk_sizes
+from llmlab.dist.commlog import CommLog
 
-__all__ = ["ring_reduce_scatter", "ring_all_gather", "accumulate", "ring_time", "close", "WORLD_SIZES",
-           "TIMEOUT_S"]
+__all__ = ["ring_reduce_scatter", "ring_all_gather", "accumulate", "ring_time", "ring_all_reduce", "close",
+           "WORLD_SIZES", "TIMEOUT_S"]
 
 WORLD_SIZES = (2, 3, 4, 5)
 TIMEOUT_S = 30.0  # the reference answers all cases in well under a second; more means a rank is stuck
@@ -537,3 +543,241 @@ def ring_time(fn):
             raise Mismatch(f"{what} = {got:.6g} s, expected {want:.6g} s: {known[1]}", mistake=known[0],
                            hint=_TIME_HINTS[known[0]])
         raise Mismatch(f"{what} = {got:.6g} s, expected {want:.6g} s")
+
+
+# --- 4.5: the whole ring all-reduce -------------------------------------------------------------------------
+
+def _ar_input(case: dict, rank: int):
+    """Rank `rank`'s input of an all-reduce case in case['dtype']: 4.1's tags or small integers, or random normal
+    floats; of case['shape'], as the transpose of a contiguous tensor when case['transposed'] (2-D cases)."""
+
+    shape = case["shape"][::-1] if case["transposed"] else case["shape"]
+    if case["floats"]:
+        g = torch.Generator().manual_seed(case["seed"] * 31 + rank)
+        x = torch.randn(shape, generator=g, dtype=torch.float64)
+    else:
+        x = _rs_input({**case, "shape": shape}, rank)
+    x = x.to(case["dtype"])
+    return x.t() if case["transposed"] else x
+
+
+def _ar_cases(rng: random.Random) -> list[dict]:
+    f32, f64, bf16 = torch.float32, torch.float64, torch.bfloat16
+    cases = []
+    for n in WORLD_SIZES:
+        seed = rng.randrange(1 << 30)
+        not_divisible = rng.choice([k for k in range(n + 1, 60) if k % n])
+        # equal chunks first, tagged: a chunk index off by one is named from its tags there (see _rs_cases); then
+        # uneven chunks, fewer elements than ranks (empty chunks), a 0-d tensor, a transposed one, bf16 and float64
+        kinds = [((3 * n,), f32, "tagged", "sum"), ((2, 3 * n + 1), f64, "tagged", "sum"),
+                 ((1,), f32, "integers", "sum"), ((n - 1,), bf16, "integers", "sum"), ((), f64, "integers", "avg"),
+                 ((3, rng.randint(2, 9)), bf16, "floats", "avg"),
+                 ((rng.randint(2, 9), rng.randint(2, 9)), f32, "transposed", "sum"),
+                 ((not_divisible,), f32, "integers", "avg"), ((rng.randint(1000, 5000),), f64, "floats", "sum")]
+        cases += [{"n": n, "shape": shape, "dtype": dtype, "tagged": values == "tagged",
+                   "floats": values in ("floats", "transposed"), "transposed": values == "transposed", "op": op,
+                   "seed": seed + i} for i, (shape, dtype, values, op) in enumerate(kinds)]
+    return cases
+
+
+def _ar_text(case: dict) -> str:
+    shape = "a transposed (not contiguous) " if case["transposed"] else "a "
+    return f"world size {case['n']}, op={case['op']!r}, {shape}{str(case['dtype'])[6:]} tensor of shape {case['shape']}"
+
+
+def _all_reduce_case(fn, case, group, rank):
+    """On a rank: (the learner's answer, whether it is the very tensor given, the messages logged meanwhile as
+    (name, kind, peer, elements))."""
+    x = _ar_input(case, rank)
+    place = (x.data_ptr(), x.shape, x.stride())
+    args = (x, group) if case["op"] == "sum" else (x, group, case["op"])
+    with CommLog() as log:
+        got = _call(fn, args, f"{_ar_text(case)}, rank {rank}")
+    same = isinstance(got, torch.Tensor) and (got.data_ptr(), got.shape, got.stride()) == place
+    messages = [(e.name, e.kind, e.peer, (e.bytes_sent + e.bytes_received) // x.element_size()) for e in log.events]
+    return _answer(got), same, messages
+
+
+def _ar_right(case, rank, result) -> bool:
+    try:
+        _ar_verdict(case, rank, result)
+    except Mismatch:
+        return False
+    return True
+
+
+def _run_all_reduce(fn, cases) -> list:
+    return _on_members(functools.partial(_all_reduce_case, fn), _ar_right, cases)
+
+
+def _ar_expected(case: dict) -> tuple[torch.Tensor, float]:
+    """(the exact result, in float64; the largest error a right answer may have) of an all-reduce case."""
+    n = case["n"]
+    inputs = [_ar_input(case, r).double() for r in range(n)]
+    exact, magnitude = sum(inputs), sum(x.abs() for x in inputs)  # of the input's shape
+    if case["op"] == "avg":
+        exact, magnitude = exact / n, magnitude / n
+    if case["op"] == "sum" and not case["floats"]:
+        return exact, 0.0  # small integers and tags: every partial sum is exact, in every dtype and order
+    # a ring adds each element's N shares one at a time: N−1 roundings of partial sums, each at most u·Σ|x| (u the
+    # dtype's unit roundoff, 2^-8 in bf16), one more for avg's division (N if each share is divided first, each
+    # u·|x_r|/N); the float64 sum above adds up to (N−1)·2^-53·Σ|x| of its own in float64: 2(N+1)·u·Σ|x| covers it all
+    u = torch.finfo(case["dtype"]).eps / 2
+    return exact, 2 * (n + 1) * u * magnitude.max().item()
+
+
+def _ar_sends(messages: list) -> list[tuple[int, int]]:
+    """(peer, elements) of each non-empty message sent (empty chunks need none)."""
+    return [(peer, k) for name, _, peer, k in messages if name == "send" and k]
+
+
+def _ar_diagnosis(got, case: dict, sent: int) -> tuple[str, str | None] | None:
+    """(what is wrong, the mistake's key) in a tagged case, whose every chunk c must decode as chunk c summed over
+    every rank (`_untag`); `sent`: how many messages the rank sent. None if no pattern is recognised."""
+    n, everyone = case["n"], tuple(range(case["n"]))
+    partial = []  # (chunk, the ranks whose shares it holds) of each chunk summed over some ranks only
+    for c, part in enumerate(got.reshape(-1).tensor_split(n)):
+        decoded = [_untag(v, n) for v in part.tolist()]
+        if None in decoded:
+            return (f"chunk {c} of it holds values that are not sums of distinct ranks' shares of one chunk: a rank "
+                    "added its share of one chunk to the running sum of another, added a share twice, or used a "
+                    "buffer before anything was received into it"), "chunk index"
+        other = next((d for d, _ in decoded if d != c), None)
+        if other is not None:
+            return (f"chunk {c} of it holds (part of) the sum of chunk {other}: a chunk index is off by "
+                    f"{(other - c) % n}"), "chunk index"
+        short = next((ranks for _, ranks in decoded if ranks != everyone), None)
+        if short:
+            partial.append((c, short))
+    if not partial:
+        return None
+    c, ranks = partial[0]
+    holds = f"chunk {c} holds the shares of ranks {_ranks_text(ranks)} only"
+    if len(partial) == n - 1:
+        done = (set(everyone) - {p for p, _ in partial}).pop()
+        return (f"only chunk {done} of it is summed over all ranks, and {holds}: that is the reduce-scatter alone; "
+                "the all-gather, which passes every finished chunk round the ring, is missing"), "reduce-scatter only"
+    holds += f", not of {_ranks_text(sorted(set(everyone) - set(ranks)))}"
+    if sent == 2 * (n - 1):  # every step sent its chunk (the tagged case's chunks are never empty)
+        return (f"{holds}, although every step sent a chunk: at some step a rank received into, or sent, another "
+                "chunk than its neighbour's"), "chunk index"
+    return f"{holds}: a step is missing (each phase takes N−1 = {n - 1} steps)", None
+
+
+def _ar_verdict(case: dict, rank: int, result) -> None:
+    """Raise Mismatch if rank `rank`'s result of `case` is wrong: its type, shape, dtype, place, values, messages.
+    The same verdict on the ranks (where they stop after the first wrong case) and in the check."""
+    got, same, messages = result
+    n, op, x = case["n"], case["op"], _ar_input(case, rank)
+    what = f"{_ar_text(case)}: rank {rank}'s result"
+    if not isinstance(got, torch.Tensor):
+        raise Mismatch(f"{what}: your function returned {got}, expected the tensor it was given, holding the {op}",
+                       mistake="return", hint=_AR_HINTS["return"])
+    if got.shape != x.shape:
+        raise Mismatch(f"{what}: got shape {tuple(got.shape)}, expected {tuple(x.shape)}, the input's own (return "
+                       "tensor itself, not a flat view of it)")
+    if got.dtype != x.dtype:
+        raise Mismatch(f"{what}: got dtype {got.dtype}, expected the input's, {x.dtype}")
+    if not same:
+        raise Mismatch(f"{what} is a new tensor, not the one your function was given: an all-reduce works in place "
+                       "and returns its input", mistake="not in place", hint=_AR_HINTS["not in place"])
+    exact, tol = _ar_expected(case)
+    if not torch.isclose(got.double(), exact, rtol=0, atol=tol).all():
+        if torch.equal(got, x):
+            copied = " (it is not contiguous: reshape and contiguous() copy it)" if case["transposed"] else ""
+            raise Mismatch(f"{what}: your tensor still holds its own input: the sums went into a copy of it{copied}",
+                           mistake="not in place", hint=_AR_HINTS["not in place"])
+        if op == "avg" and torch.allclose(got.double(), exact * n, rtol=0, atol=tol * n):
+            raise Mismatch(f"{what} is the sum over ranks, not the average: op='avg' divides it by N = {n}",
+                           mistake="avg", hint=_AR_HINTS["avg"])
+        known = _ar_diagnosis(got, case, len(_ar_sends(messages))) if case["tagged"] else None
+        if known:
+            raise Mismatch(f"{what}: {known[0]}", mistake=known[1], hint=_AR_HINTS.get(known[1]))
+        assert_close(got.double(), exact, what=what, rtol=0, atol=tol)
+    _ar_messages(case, rank, messages, what)
+
+
+def _ar_messages(case: dict, rank: int, messages: list, what: str) -> None:
+    """Raise Mismatch unless rank `rank` sent its ring's messages: 2(N−1) through exchange, each one chunk, to its
+    right neighbour (and received from its left)."""
+    n, numel = case["n"], math.prod(case["shape"])
+    collectives = sorted({name for name, kind, _, _ in messages if kind == "collective"})
+    if collectives:
+        raise Mismatch(f"{what} is right, but your function called {', '.join(collectives)}: build the all-reduce "
+                       "from exchange's point-to-point messages only")
+    sends = _ar_sends(messages)
+    strangers = sorted({p for p, _ in sends if p != (rank + 1) % n}
+                       | {p for name, _, p, k in messages if name == "recv" and k and p != (rank - 1) % n})
+    sizes = chunk_sizes(numel, n)
+    biggest = max((k for _, k in sends), default=0)
+    if biggest > sizes[0]:  # the first chunk of tensor_split is the largest, ⌈S/N⌉
+        ring = 2 * numel - sizes[rank] - sizes[(rank + 1) % n]  # all chunks but one in each phase
+        raise Mismatch(f"{what} is right, but rank {rank} sent a message of {biggest} elements, where a ring step "
+                       f"sends one chunk, at most ⌈S/N⌉ = {sizes[0]} of the {numel}: {len(sends)} messages of "
+                       f"{sum(k for _, k in sends)} elements in all, where the ring sends 2(N−1) = {2 * (n - 1)} "
+                       f"chunks, {ring} elements", mistake="whole tensor", hint=_AR_HINTS["whole tensor"])
+    if strangers:
+        raise Mismatch(f"{what} is right, but rank {rank} exchanged messages with rank {_ranks_text(strangers)}: on "
+                       "a ring rank r sends only to r+1 and receives only from r−1 (mod N)")
+    steps = 2 * (n - 1)
+    if len(sends) > steps or (numel >= n and len(sends) != steps):
+        raise Mismatch(f"{what} is right, but rank {rank} sent {len(sends)} messages through exchange, not 2(N−1) = "
+                       f"{steps}, one per step of the reduce-scatter and of the all-gather (the check counts "
+                       "exchange's messages)")
+
+
+_AR_FORMULA = ("flat = tensor.view(-1) (on a transposed tensor, a contiguous copy, copied back at the end), chunks = "
+               "flat.tensor_split(N); reduce-scatter: at step s = 0 … N−2 send chunk (r−s−1) mod N to rank r+1, "
+               "receive chunk (r−s−2) mod N from rank r−1 into a new buffer and add it into that chunk; chunk r is "
+               "then the sum (for 'avg' divide it by N once); all-gather: at step s send chunk (r−s) mod N and "
+               "receive chunk (r−s−1) mod N straight into its place; return tensor")
+_AR_HINTS = {
+    "return": Hint(
+        nudge="look at your function's last line: what does it return?",
+        idea="an all-reduce returns the tensor it was given, now holding the sum, as llmlab.dist.ring_all_reduce "
+             "does (torch.distributed.all_reduce leaves it in place too)",
+        formula=_AR_FORMULA),
+    "reduce-scatter only": Hint(
+        nudge="look at the chunks other than the one each rank finished: does anything send them round again?",
+        idea="after the N−1 steps of the reduce-scatter each rank holds one finished chunk and partial sums in the "
+             "others; N−1 more steps, an all-gather, pass every finished chunk round the ring into its place",
+        formula=_AR_FORMULA),
+    "whole tensor": Hint(
+        nudge="look at the size of each message: a ring step sends one chunk, not the tensor",
+        idea="passing whole tensors round the ring sends (N−1)·S elements per rank; the reduce-scatter and the "
+             "all-gather send one chunk of about S/N at each of their N−1 steps, 2(N−1)/N·S in all, whatever N is",
+        formula=_AR_FORMULA),
+    "not in place": Hint(
+        nudge="look at where your sums are written: into the tensor you were given, or into a new one?",
+        idea="an all-reduce works in place (DDP all-reduces the .grad tensors themselves): write into views of the "
+             "tensor (view(-1) and tensor_split give views), and where you had to work on a copy, copy it back",
+        formula=_AR_FORMULA),
+    "avg": Hint(
+        nudge="look at what op='avg' must give: the mean over the ranks",
+        idea="divide the finished sum by N once: each rank its finished chunk, before the all-gather passes it on",
+        formula=_AR_FORMULA),
+    "chunk index": Hint(
+        nudge="look at the chunk indices of each step, in both phases: the chunk a rank receives into must be the one "
+              "its left neighbour sends at that step",
+        idea="in the reduce-scatter rank r sends chunk r−s−1 at step s (its own share at step 0, then the sum it "
+             "built the step before) and receives chunk r−s−2; in the all-gather it sends chunk r−s, its finished "
+             "chunk at step 0, and receives chunk r−s−1",
+        formula=_AR_FORMULA),
+}
+
+
+@check("4.5", "the whole ring all-reduce", hint=Hint(
+    nudge="compare every chunk of each rank's result with the sum of that chunk over all ranks: which chunks are "
+          "wrong, and what do they hold?",
+    idea="a reduce-scatter (N−1 steps, each rank adding its share to the running sum it receives) leaves each rank "
+         "one finished chunk; an all-gather (N−1 more steps) passes the finished chunks round; both work on views "
+         "of the tensor, so the tensor itself ends holding the sum",
+    formula=_AR_FORMULA))
+def ring_all_reduce(fn):
+    """`fn(tensor, group[, op])` on every rank of `group`: `tensor` itself, holding the sum (or mean) over ranks."""
+
+    cases = _ar_cases(fresh_rng())
+    per_rank = _on_ranks(_run_all_reduce, fn, cases, "all-reduce", _AR_HINTS["chunk index"])
+    for i, case in enumerate(cases[:len(per_rank[0])]):  # the ranks stop after the first wrong case
+        for rank in range(case["n"]):
+            _ar_verdict(case, rank, per_rank[rank][i])  # the ranks' own verdict: it raises at the case they stopped at
