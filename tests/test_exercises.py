@@ -7,6 +7,7 @@ test_exercises_grade.py, on the same fixture.
 """
 
 import functools
+import importlib
 import shutil
 import subprocess
 import sys
@@ -585,3 +586,18 @@ def test_cli_exercises_build_and_check(project):
     write_notebook(project / "solutions" / "03_bad.ipynb", [new_code_cell("x = 1")])
     bad = llmlab("exercises", "build", "--root", ".", cwd=project)
     assert bad.returncode == 2 and "solutions/03_bad.ipynb: no exercise" in bad.stderr
+
+
+def test_every_exercise_check_gives_staged_hints():
+    """Issue 27: every chapter's checks give a nudge, then the idea, then the formula — no check left with one
+    hint for every failure, and no stage repeating another."""
+    found = []
+    for chapter in range(1, 9):
+        module = importlib.import_module(f"llmlab.checks.ch{chapter:02d}")
+        for name in dir(module):
+            fn = getattr(module, name)
+            if callable(fn) and hasattr(fn, "hint") and getattr(fn, "__module__", "").startswith("llmlab.checks"):
+                found.append(fn)
+                assert isinstance(fn.hint, Hint), f"ch{chapter:02d}.{name}: one hint for every failure: {fn.hint!r}"
+                assert len(set(fn.hint.stages)) == 3, f"ch{chapter:02d}.{name}: a stage repeats another"
+    assert len(set(found)) >= 24

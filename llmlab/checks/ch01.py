@@ -23,7 +23,7 @@ import torch
 import triton
 
 from llmlab import flops, runtime
-from llmlab.checks import Mismatch, assert_close, check, fresh_rng, number
+from llmlab.checks import Hint, Mismatch, assert_close, check, fresh_rng, number
 from llmlab.hardware import SPECS, roofline
 from llmlab.model import GPTConfig
 
@@ -53,10 +53,14 @@ def _block_cases(rng: random.Random) -> list[tuple[int, int, int, int]]:
     return cases
 
 
-@check("1.1", "a transformer block's forward FLOPs",
-       hint="a block does six matmuls: q,k,v projection (C→3C), scores q·kᵀ and the weighted sum p·v "
+@check("1.1", "a transformer block's forward FLOPs", hint=Hint(
+    nudge="count the matmuls one block does and what each costs: which of them does your total leave out, or count "
+          "twice?",
+    idea="sum 2·m·n·k over every matmul of the block — the three projections and the output projection, the two "
+         "attention matmuls per head (they grow with T², not with C²) and the MLP's two",
+    formula="a block does six matmuls: q,k,v projection (C→3C), scores q·kᵀ and the weighted sum p·v "
             "(T×T per head: n_head matmuls of head size C/n_head each), output projection (C→C), MLP up (C→4C) and "
-            "down (4C→C); an (m, k) @ (k, n) matmul costs 2·m·n·k FLOPs")
+            "down (4C→C); an (m, k) @ (k, n) matmul costs 2·m·n·k FLOPs"))
 def block_flops(fn):
     for B, T, C, n_head in _block_cases(fresh_rng()):
         what = f"block_flops(B={B}, T={T}, C={C}, n_head={n_head})"
@@ -94,10 +98,14 @@ def _roofline_cases(rng: random.Random):
     return out
 
 
-@check("1.2", "a GEMM's arithmetic intensity and bound",
-       hint="intensity = 2·m·n·k FLOPs / ((m·k + k·n + m·n) · bytes_per_element) bytes (A and B read once, C written "
+@check("1.2", "a GEMM's arithmetic intensity and bound", hint=Hint(
+    nudge="compare your FLOPs and your bytes separately: does the byte count hold all three matrices, each at its "
+          "element size?",
+    idea="intensity is the GEMM's FLOPs over the bytes it must move at least once (A and B read, C written); the "
+         "bound follows from comparing it with the device's ridge point",
+    formula="intensity = 2·m·n·k FLOPs / ((m·k + k·n + m·n) · bytes_per_element) bytes (A and B read once, C written "
             "once); the ridge point is peak_flops / bandwidth; at or above it the GEMM is 'compute'-bound, below "
-            "it 'memory'-bound")
+            "it 'memory'-bound"))
 def gemm_roofline(fn):
     for m, n, k, nbytes, peak, bandwidth, gpu in _roofline_cases(fresh_rng()):
         what = f"gemm_roofline(m={m}, n={n}, k={k}, bytes_per_element={nbytes}, peak_flops={peak:.4g}, " \
@@ -208,11 +216,15 @@ def _launch(kernel, a, b, c) -> None:
         raise
 
 
-@check("1.3", "the Triton GEMM's K loop",
-       hint="in each step load the (BLOCK_M, BLOCK_K) tile of A and the (BLOCK_K, BLOCK_N) tile of B with masks on "
+@check("1.3", "the Triton GEMM's K loop", hint=Hint(
+    nudge="look at the loads inside your K loop: which edge of which tile can run past the matrix, and is it "
+          "masked?",
+    idea="every step loads one tile of A and one of B, each masked on all its edges — the K edge too, since the "
+         "last K block is partial — accumulates their product, and moves both pointers one block along K",
+    formula="in each step load the (BLOCK_M, BLOCK_K) tile of A and the (BLOCK_K, BLOCK_N) tile of B with masks on "
             "every edge — rows offs_m < M, columns offs_n < N, AND the K edge offs_k < K - k·BLOCK_K (the last K "
             "block is partial when K is not a multiple of BLOCK_K) — with other=0.0; accumulate acc = tl.dot(a, b, "
-            "acc) (or acc += tl.dot(a, b)); then advance a_ptrs by BLOCK_K·stride_ak and b_ptrs by BLOCK_K·stride_bk")
+            "acc) (or acc += tl.dot(a, b)); then advance a_ptrs by BLOCK_K·stride_ak and b_ptrs by BLOCK_K·stride_bk"))
 def gemm_k_loop(kernel):
     """`kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     BLOCK_M, BLOCK_N, BLOCK_K)`: one program per (BLOCK_M, BLOCK_N) tile of C on a 2-D grid."""
@@ -277,8 +289,11 @@ def _last_block(a, b):
 
 # --- 1.4: the MFU a training run implies ----------------------------------------------------------------------
 
-@check("1.4", "the MFU a training run implies",
-       hint="MFU = (6·N·D FLOPs) / (gpus × days × 86,400 s/day × peak FLOP/s per GPU)")
+@check("1.4", "the MFU a training run implies", hint=Hint(
+    nudge="check the units: the FLOPs the run did, and the FLOPs its GPUs could have done in the same time",
+    idea="MFU is achieved over possible FLOPs: 6 FLOPs per parameter per token for the run, and gpus × seconds × "
+         "peak for the cluster, with days turned into seconds",
+    formula="MFU = (6·N·D FLOPs) / (gpus × days × 86,400 s/day × peak FLOP/s per GPU)"))
 def implied_mfu(fn):
     rng = fresh_rng()
     cases = [(175e9, 300e9, 1000, 34.0, SPECS["A100 SXM"].peak_flops("bf16"))]  # the course text's GPT-3 claim

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as td
 
 from llmlab import checks, dist
-from llmlab.checks import Mismatch, assert_close, check, fresh_rng
+from llmlab.checks import Hint, Mismatch, assert_close, check, fresh_rng
 
 __all__ = ["average_gradients", "column_parallel_linear", "update_scale", "cluster", "close_cluster", "WORLD_SIZE",
            "PARTITIONS"]
@@ -140,10 +140,14 @@ def _run(driver, fn, partition, cases):
     return cluster().run(driver, fn, partition, cases, timeout=TIMEOUT_S)
 
 
-@check("2.1", "averaging gradients over the ranks",
-       hint="all-reduce each gradient over the group (torch.distributed.all_reduce(g, group=group), a sum, in "
+@check("2.1", "averaging gradients over the ranks", hint=Hint(
+    nudge="look at what each rank's .grad holds after your function: the sum over ranks, or the mean, and the same "
+          "tensor as before?",
+    idea="every gradient is summed over the group by an all-reduce and then divided by the group's size, both in "
+         "place on the .grad tensor itself",
+    formula="all-reduce each gradient over the group (torch.distributed.all_reduce(g, group=group), a sum, in "
             "place) and divide it by the group's size, td.get_world_size(group) — in place (g.div_(n)); "
-            "`g = g / n` makes a new tensor and leaves the gradient as it was")
+            "`g = g / n` makes a new tensor and leaves the gradient as it was"))
 def average_gradients(fn):
     """`fn(grads, group)`: average the list `grads` of this rank's gradients over the ranks of `group`, in place
     (or return the list of averages)."""
@@ -206,11 +210,15 @@ def _column_cases(rng: random.Random):
     return cases
 
 
-@check("2.2", "the column-parallel linear layer, forward and backward",
-       hint="forward: every rank holds the whole input x and its shard of the weight, so Y_r = x·W_rᵀ + b_r "
+@check("2.2", "the column-parallel linear layer, forward and backward", hint=Hint(
+    nudge="check the forward and the backward separately: which of them needs communication in a column-parallel "
+          "layer?",
+    idea="the forward needs none — each rank multiplies the whole input by its shard of the weight; the backward "
+         "does: each rank's input gradient is only its shard's part, so f's backward sums it over the ranks",
+    formula="forward: every rank holds the whole input x and its shard of the weight, so Y_r = x·W_rᵀ + b_r "
             "(F.linear) — no communication; backward: the input gradient on each rank is only its shard's "
             "contribution (dY_r·W_r), and the full dL/dx is their sum over the ranks: f's backward must all-reduce "
-            "the gradient over the group (td.all_reduce(grad, group=ctx.group)); f's forward is the identity")
+            "the gradient over the group (td.all_reduce(grad, group=ctx.group)); f's forward is the identity"))
 def column_parallel_linear(fn):
     """`fn(x, weight, bias, group)`: x (..., in) the whole input on every rank, weight (out/N, in) and bias (out/N,)
     or None this rank's shard → this rank's slice (..., out/N) of the output, with gradients flowing back."""
@@ -311,10 +319,14 @@ def _grad_scaler_trajectory(init_scale, growth_factor, backoff_factor, growth_in
     return out
 
 
-@check("2.3", "the loss scaler's update rule",
-       hint="on an overflow step (found_inf) multiply the scale by backoff_factor and reset the counter to 0 — "
+@check("2.3", "the loss scaler's update rule", hint=Hint(
+    nudge="take the two kinds of step in turn: what must happen to the scale and the counter on an overflow step, "
+          "and what on a clean one?",
+    idea="an overflow shrinks the scale and restarts the count of clean steps; only a run of growth_interval clean "
+         "steps in a row grows it, after which the count restarts",
+    formula="on an overflow step (found_inf) multiply the scale by backoff_factor and reset the counter to 0 — "
             "never grow; on a clean step add 1 to the counter, and when it reaches growth_interval multiply the "
-            "scale by growth_factor and reset the counter to 0")
+            "scale by growth_factor and reset the counter to 0"))
 def update_scale(fn):
     """`fn(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)` → (new scale, new
     growth_tracker), after one step; compared with torch.amp.GradScaler step by step."""

@@ -25,7 +25,7 @@ import random
 import torch
 
 from llmlab import flops
-from llmlab.checks import Mismatch, check, fresh_rng, number
+from llmlab.checks import Hint, Mismatch, check, fresh_rng, number
 from llmlab.dist import cost
 from llmlab.hardware import SPECS, cluster
 from llmlab.model import GPTConfig
@@ -65,9 +65,12 @@ def _compare(got: float, want: float, what: str, mistakes: list[tuple[float, str
 
 # --- 5.1: the compute time of a training step ------------------------------------------------------------------
 
-@check("5.1", "compute time of a training step",
-       hint="6·N·tokens FLOPs (forward 2·N per token, backward 4·N) over gpus × the bf16 dense tensor-core peak "
-            "(SPECS[gpu].bf16_tflops × 1e12 FLOP/s, not the FP32 column) × mfu")
+@check("5.1", "compute time of a training step", hint=Hint(
+    nudge="compare your FLOP count and the peak you divide by: which spec-sheet column does bf16 training run at?",
+    idea="the step's FLOPs (forward and backward: 6 per parameter per token) over what the GPUs deliver: their "
+         "count × the bf16 tensor-core peak × the MFU",
+    formula="6·N·tokens FLOPs (forward 2·N per token, backward 4·N) over gpus × the bf16 dense tensor-core peak "
+            "(SPECS[gpu].bf16_tflops × 1e12 FLOP/s, not the FP32 column) × mfu"))
 def compute_seconds(fn):
     """`fn(n_params, tokens, gpus, gpu, mfu)`: seconds of arithmetic in one step (gpu a key of SPECS)."""
 
@@ -163,9 +166,12 @@ def _allreduce_reference(n_params: float, dtype, n: int, bandwidth: float, unit:
     return want, mistakes
 
 
-@check("5.2", "gradient all-reduce time over a link",
-       hint="S = n_params × grad_dtype.itemsize bytes; B = the bandwidth of one direction in bytes/s (Gb/s ÷ 8 → "
-            "GB/s; a figure of both directions ÷ 2; GB/s × 1e9); ring all-reduce: 2(n−1)·α + 2(n−1)/n · S/B")
+@check("5.2", "gradient all-reduce time over a link", hint=Hint(
+    nudge="look at the bytes and the bandwidth you use: in which units, and in one direction or both?",
+    idea="turn the gradient into bytes and the link's figure into bytes per second in one direction, then use the "
+         "ring all-reduce's α-β time: 2(n−1) steps of S/n bytes",
+    formula="S = n_params × grad_dtype.itemsize bytes; B = the bandwidth of one direction in bytes/s (Gb/s ÷ 8 → "
+            "GB/s; a figure of both directions ÷ 2; GB/s × 1e9); ring all-reduce: 2(n−1)·α + 2(n−1)/n · S/B"))
 def allreduce_seconds(fn):
     """`fn(n_params, grad_dtype, n, bandwidth, unit, alpha)`: seconds of a ring all-reduce of the gradients."""
 
@@ -271,14 +277,19 @@ def _step_mistakes(c, t) -> list[tuple[float, str]]:
     return mistakes
 
 
-@check("5.3", "step time and training days of a cluster",
-       hint="step = compute + DP all-reduce + TP all-reduce (nothing overlaps): compute = 6·N·batch_tokens / "
+@check("5.3", "step time and training days of a cluster", hint=Hint(
+    nudge="compute the three parts of the step on their own — compute, the data-parallel all-reduce, the "
+          "tensor-parallel all-reduces — and see which one differs",
+    idea="the step is the sum of the three (nothing overlaps); the DP all-reduce's time depends on how its ranks "
+         "sit on nodes and NICs, the TP all-reduces happen 4 times per layer per micro-batch, and days follow from "
+         "the number of steps",
+    formula="step = compute + DP all-reduce + TP all-reduce (nothing overlaps): compute = 6·N·batch_tokens / "
             "(gpus · bf16 peak · mfu); DP = all-reduce of S = N/tp × bytes_per_param bytes over the dp ranks, "
             "g = config.dp_per_node in each of m = dp/g nodes: one node → a ring on tp_link; 'nic-per-gpu' → "
             "reduce-scatter and all-gather over g on tp_link + a ring of S/g over m on link; 'nic-per-node' → one "
             "ring over dp on link with β × config.rings_per_nic; TP = 4 · n_layer · micro_batches rings over tp "
             "ranks on config.tp_link of micro_tokens × n_embd × bytes_per_activation bytes; days = (tokens / "
-            "batch_tokens) · step / 86,400")
+            "batch_tokens) · step / 86,400"))
 def training_time(fn):
     """`fn(config)` for a ClusterConfig with pp = 1: (seconds per step, days of training)."""
 

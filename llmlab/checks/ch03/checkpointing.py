@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from llmlab.checks import Mismatch, assert_close, check, fresh_rng
+from llmlab.checks import Hint, Mismatch, assert_close, check, fresh_rng
 from llmlab.memory import checkpoint as library
 from llmlab.memory import measure
 from llmlab.model import Block, GPTConfig
@@ -50,13 +50,17 @@ def _same(a, b) -> bool:
     return a is not None and b is not None and a.shape == b.shape and torch.equal(a, b)
 
 
-@check("3.2", "activation checkpointing",
-       hint="in forward (an autograd.Function's forward runs with grad off, so nothing inside fn is saved): keep "
+@check("3.2", "activation checkpointing", hint=Hint(
+    nudge="compare what your forward keeps with what your backward needs to run fn again: the input, fn, and the "
+          "random state",
+    idea="the forward keeps only the input (and fn and the RNG state) and runs fn without a graph; the backward "
+         "runs fn again with grad on, from the same random state, and backpropagates through that recomputation",
+    formula="in forward (an autograd.Function's forward runs with grad off, so nothing inside fn is saved): keep "
             "ctx.fn = fn, ctx.rng = torch.get_rng_state() (before fn draws its dropout masks), "
             "ctx.save_for_backward(x), return fn(x); in backward: x = saved x .detach().requires_grad_(); inside "
             "`with torch.random.fork_rng(), torch.enable_grad():` restore torch.set_rng_state(ctx.rng) and run "
             "out = ctx.fn(x); then torch.autograd.backward(out, grad_out) (which also fills the parameters' "
-            ".grad) and return None, x.grad")
+            ".grad) and return None, x.grad"))
 def checkpoint(fn):
     """`fn(block, x)` → block(x), keeping only x (and the random state) for backward and recomputing block(x) in
     backward; x is (B, T, C) and requires grad."""

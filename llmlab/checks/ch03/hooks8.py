@@ -14,7 +14,7 @@ import random
 
 import torch
 
-from llmlab.checks import Mismatch, check, fresh_rng
+from llmlab.checks import Hint, Mismatch, check, fresh_rng
 from llmlab.data import MarkovSource, SyntheticDataset
 from llmlab.memory import compress, measure
 from llmlab.memory.measure import is_parameter
@@ -184,14 +184,19 @@ def _gpt_step(hooks, seed: int):
     return loss.detach(), grads, counts
 
 
-@check("3.3", "8-bit saved-tensor hooks",
-       hint="pack: pass parameters (measure.is_parameter(t)) and integer/bool tensors through; for a float t, "
+@check("3.3", "8-bit saved-tensor hooks", hint=Hint(
+    nudge="check what your pack hook does with each kind of tensor, and whether unpack gives back the shape and "
+          "dtype it was given",
+    idea="pack quantises each float tensor in groups to 8-bit codes with each group's low value and step "
+         "(parameters and integer tensors pass through); unpack rebuilds low + code·step and restores the shape "
+         "and dtype",
+    formula="pack: pass parameters (measure.is_parameter(t)) and integer/bool tensors through; for a float t, "
             "flatten it (t.detach().reshape(-1).float()), pad it to a multiple of the group size G with copies of "
             "its last value (zeros could widen the last group's range), view it as (groups, G), low = min, "
             "step = (max − low) / 255 per group "
             "(1 where max == low), codes = ((x − low) / step).round().to(torch.uint8); return (codes, low, step, "
             "t.shape, t.dtype, t.numel()). unpack: x̂ = low + codes.float()·step, flattened, cut to numel, "
-            "reshaped, cast back to the dtype")
+            "reshaped, cast back to the dtype"))
 def pack_hooks(pack, unpack):
     """`pack(t)` → anything holding t in 8 bits (per-group min-max codes); `unpack(packed)` → the tensor rebuilt,
     in t's shape and dtype. Used as `torch.autograd.graph.saved_tensors_hooks(pack, unpack)`."""

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as td
 
 from llmlab import dist
-from llmlab.checks import Mismatch, assert_close, check, fresh_rng
+from llmlab.checks import Hint, Mismatch, assert_close, check, fresh_rng
 from llmlab.checks.ch03._common import TIMEOUT_S, WORLD_SIZES, cluster
 
 _groups: dict = {}  # on the ranks: world size -> the dist.Grid of ranks 0 … world-1
@@ -225,10 +225,13 @@ def _mlp_flat_init(case: _ZeroCase):
     return torch.cat([p.detach().reshape(-1) for p in _mlp(case)])
 
 
-@check("3.1", "ZeRO-1's sharded AdamW step",
-       hint="work on this rank's slice only: g = flat_grad[lo:hi]; then, all in place on the (hi − lo,) tensors: "
+@check("3.1", "ZeRO-1's sharded AdamW step", hint=Hint(
+    nudge="look at which elements your update touches and whether it changes the shard and the moments in place",
+    idea="AdamW on this rank's slice only: decay the weights, update both moments from the slice of the gradient, "
+         "correct their bias for the step and move the shard — every tensor changed in place",
+    formula="work on this rank's slice only: g = flat_grad[lo:hi]; then, all in place on the (hi − lo,) tensors: "
             "shard.mul_(1 − lr·weight_decay); exp_avg = β1·exp_avg + (1 − β1)·g; exp_avg_sq = β2·exp_avg_sq + "
-            "(1 − β2)·g²; m̂ = exp_avg / (1 − β1^step), v̂ = exp_avg_sq / (1 − β2^step); shard −= lr·m̂ / (√v̂ + ε)")
+            "(1 − β2)·g²; m̂ = exp_avg / (1 − β1^step), v̂ = exp_avg_sq / (1 − β2^step); shard −= lr·m̂ / (√v̂ + ε)"))
 def adamw_shard_step(fn):
     """`fn(flat_grad, lo, hi, shard, exp_avg, exp_avg_sq, step, lr, betas, eps, weight_decay)`: AdamW on this rank's
     shard. flat_grad (P,) is the averaged gradient of all the (padded, flattened) parameters; shard, exp_avg and
