@@ -53,7 +53,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("doctor", "pytest", "bench", "chapters")
-BENCHES = ("gemm", "precision", "checkpoint", "compress", "quant", "moe", "zero", "allreduce")
+BENCHES = ("gemm", "attention", "precision", "checkpoint", "compress", "quant", "moe", "zero", "allreduce")
 # seconds each piece may take at most (a bench or a chapter is one piece): compilation and autotuning included
 LIMITS = {"doctor": 90, "pytest": 150, "bench": 75, "bench gemm": 150, "chapter": 180, "install": 240}
 NODE_HAS = ("torch", "triton", "numpy")  # never carried: the node's own builds (CUDA) must stay
