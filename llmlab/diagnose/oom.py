@@ -165,9 +165,11 @@ def remedies(config: GPTConfig, batch_size: int, budget_bytes: float, *, zero_ra
     base = planner.plan(config, batch_size, **plan_kwargs)
     options: list[tuple] = []  # name, change, cost, price, what changes[, the step's FLOPs it adds]
     if not config.flash:
-        options.append(("memory-efficient attention", "GPTConfig(flash=True): scaled_dot_product_attention",
-                        "nothing", "none: the same attention to rounding, and faster on GPUs (fewer reads and writes "
-                        "of GPU memory, Dao et al. 2022)", {"config": replace(config, flash=True)}))
+        options.append(("memory-efficient attention", "GPTConfig(flash=True): scaled_dot_product_attention, or "
+                        "llmlab.kernels.attention (FlashAttention-2 in Triton, chapter 3: it keeps O and the "
+                        "log-sum-exp, O(T), not the T×T scores)", "nothing",
+                        "none: the same attention to rounding, and faster on GPUs (fewer reads and writes of GPU "
+                        "memory, Dao et al. 2022)", {"config": replace(config, flash=True)}))
     stage, data = plan_kwargs.get("stage", 0), plan_kwargs.get("data", 1)
     n = data if data > 1 else zero_ranks
     for k in range(stage + 1, 4):
