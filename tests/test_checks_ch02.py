@@ -13,6 +13,8 @@ from check_answers import Mistake, Reference
 from grading import fails, not_attempted, passes
 
 from llmlab.checks import ch02
+from llmlab.parallel import schedules
+from llmlab.parallel.schedules import Action
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -180,6 +182,24 @@ def llmlab_scaler(scale, tracker, found_inf, growth_factor, backoff_factor, grow
 
 AVERAGE_HINT = "divide it by the group's size"
 COLUMN_HINT = "the input gradient on each rank is only its shard's contribution"
+def one_f_one_b(p, m):
+    return schedules.schedule("1f1b", p, m)
+
+
+def step_time(plans, t_forward, t_backward):
+    return schedules.run(plans, {"F": t_forward, "B": t_backward}).end
+
+
+def warm_up_one_more(p, m):  # p − r forwards before the first backward, not p − r − 1
+    plans = []
+    for rank in range(p):
+        w = min(p - rank, m)
+        plans.append([Action("F", i) for i in range(w)]
+                     + [a for i in range(m - w) for a in (Action("F", w + i), Action("B", i))]
+                     + [Action("B", i) for i in range(m - w, m)])
+    return plans
+
+
 ANSWERS = [
     Reference(ch02.average_gradients, average_gradients),
     Reference(ch02.average_gradients, averaged_copies),
@@ -219,9 +239,22 @@ ANSWERS = [
             hint="never grow"),
     Mistake(ch02.update_scale, keeps_counting, match="restart from 0 after an overflow", hint="never grow"),
     Mistake(ch02.update_scale, lambda *args: 1.0, match="expected the pair", hint="never grow"),
+    Reference(ch02.pipeline_1f1b, one_f_one_b, step_time),
+    Mistake(ch02.pipeline_1f1b, lambda p, m: schedules.schedule("gpipe", p, m), step_time,
+            match="GPipe's order", hint="alternates one forward"),
+    Mistake(ch02.pipeline_1f1b, warm_up_one_more, step_time, match="forwards before its first backward",
+            hint="one forward for each rank after it"),
+    Mistake(ch02.pipeline_1f1b, one_f_one_b, lambda plans, tf, tb: max(len(plan) for plan in plans) / 2 * (tf + tb),
+            match="one rank's work with no waiting", hint="a forward needs the same micro-batch's forward"),
+    Mistake(ch02.pipeline_1f1b, lambda p, m: [plan[:-1] for plan in one_f_one_b(p, m)], step_time,
+            match="every rank runs each forward", hint="1F1B keeps"),
 ]
 
 
 @pytest.mark.parametrize("check", [ch02.average_gradients, ch02.column_parallel_linear, ch02.update_scale])
 def test_an_unwritten_answer_is_not_attempted(check, capsys):
     not_attempted(check, unwritten, capsys=capsys)
+
+
+def test_an_unwritten_pipeline_answer_is_not_attempted(capsys):
+    not_attempted(ch02.pipeline_1f1b, unwritten, step_time, capsys=capsys)

@@ -5,6 +5,7 @@ column-parallel linear layer (forward and backward), and the dynamic loss scaler
     check.average_gradients(average_gradients)            # 2.1, on 4 ranks
     check.column_parallel_linear(column_parallel_linear)  # 2.2, on 4 ranks
     check.update_scale(update_scale)                      # 2.3, against torch.amp.GradScaler
+    check.pipeline_1f1b(one_f_one_b, step_time)           # 2.4, against llmlab.parallel.schedules
 
 The multi-rank checks (2.1, 2.2) run the learner's function — defined in a notebook, it travels to the ranks by
 value with cloudpickle — on the ranks of one gloo `llmlab.dist.Cluster(4)`, started on first use, reused by every later
@@ -29,9 +30,10 @@ import torch.distributed as td
 
 from llmlab import checks, dist
 from llmlab.checks import Hint, Mismatch, assert_close, check, fresh_rng
+from llmlab.checks.ch02_pipeline import pipeline_1f1b
 
-__all__ = ["average_gradients", "column_parallel_linear", "update_scale", "cluster", "close_cluster", "WORLD_SIZE",
-           "PARTITIONS"]
+__all__ = ["average_gradients", "column_parallel_linear", "update_scale", "pipeline_1f1b", "cluster", "close_cluster",
+           "WORLD_SIZE", "PARTITIONS"]
 
 WORLD_SIZE = 4
 # the process groups the multi-rank checks run in: all four ranks take part in every case

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from llmlab import validation
 from llmlab.timeline import Span, Timeline
 
-__all__ = ["SCHEDULES", "KINDS", "Action", "schedule", "simulate", "bubble_ratio", "bubble_fraction",
+__all__ = ["SCHEDULES", "KINDS", "Action", "schedule", "simulate", "run", "bubble_ratio", "bubble_fraction",
            "zb_h1_bubble_fraction", "peak_in_flight"]
 
 SCHEDULES = ("gpipe", "1f1b")  # one stage per rank, the backward in one action: bubble (p-1)/(m+p-1)
@@ -163,8 +163,16 @@ def simulate(kind: str, stages: int, micro_batches: int, t_forward: float = 1.0,
                                      hint=f"and < t_backward={t_backward!r}")
         if t_weight >= t_backward:
             raise ValueError(f"t_weight={t_weight!r} must be < t_backward={t_backward!r} (B takes the rest)")
-    p, v = stages, virtual_stages
+    v = virtual_stages
     took = {"F": t_forward / v, "B": (t_backward - (t_weight or 0.0)) / v, "W": (t_weight or 0.0) / v}
+    return run(plans, took, v, t_send, name=kind)
+
+
+def run(plans: list[list[Action]], took: dict[str, float], virtual_stages: int = 1, t_send: float = 0.0,
+        name: str = "given") -> Timeline:
+    """The timeline of the per-rank action lists `plans` when an action of kind k takes `took[k]`: the loop of
+    `simulate`, for any schedule (exercise 2.4 times a learner's 1F1B with it). RuntimeError if it deadlocks."""
+    p, v = len(plans), virtual_stages
     done: dict[tuple[int, str, int], float] = {}
     position, free_at, spans = [0] * p, [0.0] * p, []
     while any(position[s] < len(plans[s]) for s in range(p)):
@@ -182,7 +190,8 @@ def simulate(kind: str, stages: int, micro_batches: int, t_forward: float = 1.0,
                 position[s] += 1
                 progressed = True
         if not progressed:
-            raise RuntimeError(f"schedule {kind!r} deadlocks: {[plans[s][position[s]] for s in range(p)]}")
+            waiting = [plans[s][position[s]] for s in range(p) if position[s] < len(plans[s])]
+            raise RuntimeError(f"schedule {name!r} deadlocks: {waiting}")
     return Timeline(tuple(spans), lane_name="stage")
 
 
