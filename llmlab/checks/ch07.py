@@ -1,7 +1,12 @@
-"""Checks for chapter 7's exercise (solutions/07_troubleshooting.ipynb): find the bugs in a training script.
+"""Checks for chapter 7's exercises (solutions/07_troubleshooting.ipynb):
 
     from llmlab.checks import ch07 as check
-    check.find_the_bugs(train)    # 7.1
+    check.find_the_bugs(train)                   # 7.1 find the bugs in a training script (here)
+    check.fix_oom(fix_oom)                       # 7.2 diagnose an OOM from a planner report (ch07_oom)
+    check.find_hang(find_hang)                   # 7.3 find a hang from per-rank stacks (ch07_hang)
+    check.first_nonfinite(first_nonfinite)       # 7.4 find a NaN's first module (ch07_nonfinite)
+
+Exercise 7.1, below:
 
 The learner's `train(model, batches, steps, accum_steps) -> list[float]` trains `model` (llmlab's GPT interface:
 `model(x)` gives `(logits (B, T, V), None)`) with its own optimizer for `steps` optimizer steps; step s accumulates
@@ -41,11 +46,15 @@ import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from llmlab.checks import Hint, Mismatch, check
+from llmlab.checks.ch07_hang import HELPERS, example_hang, find_hang, last_hang
+from llmlab.checks.ch07_nonfinite import first_nonfinite
+from llmlab.checks.ch07_oom import COMPONENTS, REMEDIES, fix_oom
 from llmlab.data import MarkovSource, SyntheticDataset
 from llmlab.diagnose.divergence import check_targets, lr_range_test
 from llmlab.model import GPT, GPTConfig
 
-__all__ = ["find_the_bugs", "batches_of", "FAULTS", "TARGET_GAP", "TRAIN_STEPS", "TIMEOUT_S"]
+__all__ = ["find_the_bugs", "batches_of", "FAULTS", "TARGET_GAP", "TRAIN_STEPS", "TIMEOUT_S", "fix_oom", "REMEDIES",
+           "COMPONENTS", "find_hang", "example_hang", "last_hang", "HELPERS", "first_nonfinite"]
 
 FAULTS = ("data", "loss", "accumulation", "zero_grad", "learning rate")  # in the order the script meets them
 PROBE_STEPS, PROBE_B, PROBE_T = 2, 4, 16
