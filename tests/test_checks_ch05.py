@@ -3,7 +3,9 @@ attempted, and fails each named mistake — the FP32 column, a forward-only step
 NVLink's two directions added, PCIe's one direction halved, the ring's 2(n−1)/n factor left out, 4-byte gradients
 for 2 and 2 for 4; communication overlapped, TP all-reduces miscounted, links swapped, hours for days, a flat ring
 where each GPU has its own NIC, the hierarchical all-reduce where a node has one, a shared NIC priced as free, a
-one-node ring on the NIC's link — with its message and the hint; answers computed in float32 pass."""
+one-node ring on the NIC's link; the pipeline's bubble missing, taken of the whole step, put on the DP all-reduce,
+its sends missing or summed over every boundary, a stage's layers or gradients counted for the whole model — with
+its message and the hint; answers computed in float32 pass."""
 
 import random
 
@@ -86,17 +88,29 @@ def dp_allreduce(c, grads, link, node, network=None, shared=True, node_on_link=F
 
 
 def training_time(c, overlap=False, tp_per_layer=4, per_micro_batch=True, shard_grads=True, swap=False,
-                  per_day=86_400, network=None, shared=True, node_on_link=False):
+                  per_day=86_400, network=None, shared=True, node_on_link=False, bubble="busy", sends="busiest",
+                  stage_grads=True, stage_layers=True):
+    """The exercise's solution; each argument but `c` plants a mistake. bubble: "busy" (idle (p−1)/m of the busy
+    time), "share" (f·busy, f the share of the whole step), "none", "all" (the DP all-reduce in the bubble too);
+    sends: "busiest" (a middle stage's two boundaries), "all" (p−1 boundaries), "none"."""
     link, tp_link = cost.LINKS[c.link], cost.LINKS[c.tp_link]
     if swap:
         link, tp_link = tp_link, link
     compute = compute_seconds(c.n_params, c.batch_tokens, c.gpus, c.gpu, c.mfu)
-    grads = c.n_params / (c.tp if shard_grads else 1) * c.bytes_per_param
+    grads = c.n_params / (c.tp if shard_grads else 1) / (c.pp if stage_grads else 1) * c.bytes_per_param
     dp = dp_allreduce(c, grads, link, tp_link, network, shared, node_on_link)
     activation = c.micro_tokens * c.model.n_embd * c.bytes_per_activation
-    rings = tp_per_layer * c.model.n_layer * (c.micro_batches if per_micro_batch else 1)
+    layers = c.model.n_layer / (c.pp if stage_layers else 1)
+    rings = tp_per_layer * layers * (c.micro_batches if per_micro_batch else 1)
     tp = rings * cost.ring_allreduce_time(activation, c.tp, tp_link.alpha, tp_link.beta)
-    step = max(compute, dp + tp) if overlap else compute + dp + tp
+    boundaries = {"busiest": min(2, c.pp - 1), "all": c.pp - 1, "none": 0}[sends]
+    busy = compute + tp + 2 * boundaries * c.micro_batches * (link.alpha + activation * link.beta)
+    idle = {"busy": (c.pp - 1) / c.micro_batches, "share": (c.pp - 1) / (c.micro_batches + c.pp - 1),
+            "none": 0, "all": (c.pp - 1) / c.micro_batches}[bubble]
+    if overlap:  # max(compute, communication): the sends and all-reduces hidden, the bubble forgotten
+        step = max(compute, dp + busy - compute)
+    else:
+        step = busy * (1 + idle) + dp * (1 + idle if bubble == "all" else 1)
     return step, c.tokens / c.batch_tokens * step / per_day
 
 
@@ -109,7 +123,7 @@ def training_time32(c):
 
     link, node = cost.LINKS[c.link], cost.LINKS[c.tp_link]
     compute = f(6) * f(c.n_params) * f(c.batch_tokens) / (f(c.gpus) * f(SPECS[c.gpu].bf16_tflops) * f(1e12) * f(c.mfu))
-    grads, g, m = f(c.n_params) / f(c.tp) * f(c.bytes_per_param), c.dp_per_node, c.dp // c.dp_per_node
+    grads, g, m = f(c.n_params) / f(c.tp * c.pp) * f(c.bytes_per_param), c.dp_per_node, c.dp // c.dp_per_node
     if m == 1:
         dp = ring(grads, c.dp, node)
     elif c.network == "nic-per-node":
@@ -117,7 +131,9 @@ def training_time32(c):
     else:
         dp = ring(grads, g, node) + ring(grads / f(g), m, link)  # reduce-scatter + all-gather = one ring's time
     activation = f(c.micro_tokens) * f(c.model.n_embd) * f(c.bytes_per_activation)
-    step = compute + dp + f(4 * c.model.n_layer * c.micro_batches) * ring(activation, c.tp, node)
+    tp = f(4 * c.model.n_layer / c.pp * c.micro_batches) * ring(activation, c.tp, node)
+    sends = f(2 * min(2, c.pp - 1) * c.micro_batches) * (f(link.alpha) + activation * f(link.beta))
+    step = (compute + tp + sends) * (f(1) + f(c.pp - 1) / f(c.micro_batches)) + dp
     return step, f(c.tokens) / f(c.batch_tokens) * step / f(86_400)
 
 
@@ -125,16 +141,18 @@ def comm_free(c):
     return compute_seconds(c.n_params, c.batch_tokens, c.gpus, c.gpu, c.mfu), 1.0
 
 
-def test_training_cases_are_compute_bound_with_no_pipeline():
+def test_training_cases_are_compute_bound_and_cover_the_pipeline():
     configs = [c for seed in range(20) for c in ch05.training_cases(random.Random(seed))]
     for c in configs:
         t = cluster.step_time(c)
         # the exercise prices compute at the bf16 peak: step_time's roofline rate must be exactly that
         assert t.attainable_flops == pytest.approx(SPECS[c.gpu].peak_flops("bf16"), rel=1e-12)
-        assert c.pp == 1 and t.pp_send == 0 and t.pp_bubble == 0
         assert c.dp % c.dp_per_node == 0  # the data-parallel ranks fill their nodes
     first = cluster.step_time(configs[0])  # every part non-zero, so each named mistake shows in the first case
-    assert min(first.compute, first.dp_allreduce, first.tp_allreduce) > 0 and configs[0].micro_batches > 2
+    assert min(first.compute, first.dp_allreduce, first.tp_allreduce, first.pp_send, first.pp_bubble) > 0
+    assert configs[0].micro_batches > 2 and configs[0].pp > 3  # the busiest stage has two boundaries of p − 1
+    assert [c.pp for c in configs[5:7]] == [2, 1]  # one boundary; no pipeline
+    assert {1, 2, 4, 8, 12} <= {c.pp for c in configs}
     # the fixed cases name each network mistake: a NIC per GPU with 8 per node, one NIC per node (alone, then shared)
     assert [(c.network, c.dp_per_node, c.rings_per_nic) for c in configs[1:4]] == [
         ("nic-per-gpu", 8, 1), ("nic-per-node", 8, 1), ("nic-per-node", 1, 8)]
@@ -207,8 +225,17 @@ ANSWERS = [
           (dict(overlap=True), r"max\(compute, communication\) assumes a perfect overlap"),
           (dict(tp_per_layer=0), "the TP all-reduces are missing: 4 per layer per micro-batch"),
           (dict(tp_per_layer=2), "half the TP all-reduce time: Megatron all-reduces twice forward and twice backward"),
-          (dict(per_micro_batch=False), "the TP all-reduces counted once per step: .* of the 12 micro-batches"),
-          (dict(shard_grads=False), "the gradients of the whole model: with tp=8 each GPU holds N/tp"),
+          (dict(per_micro_batch=False), "the TP all-reduces counted once per step: .* of the 96 micro-batches"),
+          (dict(shard_grads=False, stage_grads=False),
+           r"the gradients of the whole model: with tp=8 and pp=8 each GPU holds N/\(tp·pp\)"),
+          (dict(stage_grads=False), r"with pp=8 a GPU holds the gradients of its stage alone: N/\(tp·pp\), not N/tp"),
+          (dict(stage_layers=False), "a stage holds n_layer/pp = 12 layers: its TP all-reduces are those of its"),
+          (dict(bubble="none"), r"the pipeline bubble is missing: with p=8 stages and m=96 micro-batches each GPU "
+                                r"idles \(p−1\)/m of its busy time"),
+          (dict(bubble="share"), r"\(p−1\)/\(m\+p−1\) = 0.068 is the bubble's share of the whole pipelined step"),
+          (dict(bubble="all"), "the gradient all-reduce happens once, after the pipeline has drained"),
+          (dict(sends="none"), "the sends across the stage boundaries are missing"),
+          (dict(sends="all"), "the sends of all 7 boundaries: they run on different stages at once"),
           (dict(swap=True), r"the links are swapped: gradients cross nodes over config.link \(rdma200\)"),
           (dict(per_day=3600), "the training = .* days: that is hours"),
           (dict(network="nic-per-node", shared=False),

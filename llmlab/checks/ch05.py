@@ -12,7 +12,9 @@ spec sheet's FP32 column instead of bf16 dense, 2·N instead of 6·N, MFU left o
 total of both directions used as one direction, a per-direction figure halved, the ring's 2(n−1)/n factor left out,
 the wrong bytes per gradient; communication assumed hidden behind compute, Megatron's TP all-reduces miscounted,
 the links swapped, a flat ring priced where each GPU has a NIC of its own (or the reverse), one NIC's sharing left
-out, a ring inside one node priced on the NIC's link. Where one wrong answer fits two mistakes (it can, e.g. fp32
+out, a ring inside one node priced on the NIC's link; the pipeline's bubble left out or taken as a share of the busy
+time, put on the gradient all-reduce too, its stage sends left out or summed over every boundary, a stage's TP
+all-reduces or gradients counted for the whole model. Where one wrong answer fits two mistakes (it can, e.g. fp32
 gradients counted as bf16 over a quoted bidirectional link), both are named. An answer computed in float32 passes
 (the tolerance is argued at REL_TOL).
 """
@@ -29,6 +31,7 @@ from llmlab.checks import Hint, Mismatch, check, fresh_rng, number
 from llmlab.dist import cost
 from llmlab.hardware import SPECS, cluster
 from llmlab.model import GPTConfig
+from llmlab.parallel.pipeline import bubble_fraction
 
 __all__ = ["compute_seconds", "allreduce_seconds", "training_time", "UNITS", "link_quote", "training_cases"]
 
@@ -200,25 +203,28 @@ def _random_config(rng: random.Random):
     model = GPTConfig(vocab_size=rng.choice([32000, 50257]), block_size=rng.choice([2048, 4096]), n_layer=n_layer,
                       n_head=n_head, n_embd=n_embd, bias=False)
     dp, tp = rng.choice([2, 4, 16, 64, 256]), rng.choice([1, 2, 4, 8])  # dp divides into nodes of 8 at every tp
-    micro_batches = rng.choice([1, 2, 4, 8])
+    pp = rng.choice([1, 2, 4, 8, 12])  # ≤ every n_layer drawn; 12 leaves a fraction of a layer per stage on average
+    micro_batches = rng.choice([1, 2, 4, 8, 16])
     return cluster.ClusterConfig(
         model=model, tokens=rng.uniform(1e11, 2e12), batch_tokens=dp * micro_batches * rng.choice([2048, 4096, 8192]),
-        gpu=rng.choice(_ACCELERATORS), gpus=dp * tp, link=rng.choice(_NETWORK_LINKS + ("pcie5",)), dp=dp, tp=tp,
-        micro_batches=micro_batches, tp_link=rng.choice(_NODE_LINKS), mfu=rng.uniform(0.3, 0.55),
+        gpu=rng.choice(_ACCELERATORS), gpus=dp * tp * pp, link=rng.choice(_NETWORK_LINKS + ("pcie5",)), dp=dp, tp=tp,
+        pp=pp, micro_batches=micro_batches, tp_link=rng.choice(_NODE_LINKS), mfu=rng.uniform(0.3, 0.55),
         bytes_per_param=rng.choice([2, 4]), network=rng.choice(list(cluster.NETWORKS)))
 
 
 def training_cases(rng: random.Random | None = None) -> list:
-    """The ClusterConfigs the 5.3 check runs (pp = 1, every GEMM compute-bound): GPT-3 laid out as dp 128 × tp 8 on
-    1024 A100s, C15's 7B step on 64 H100s, each with one NIC per GPU and with one per node, the 7B step as dp 4 × tp 2
-    in one node, whose `link` (its 100 Gb/s NIC) differs from its `tp_link` (NVLink 4, so a one-node ring priced on
-    `link` shows), then fresh random ones."""
+    """The ClusterConfigs the 5.3 check runs (every GEMM compute-bound): GPT-3 in Megatron's layout, dp 16 × tp 8 ×
+    pp 8 on 1024 A100s (every part non-zero, first), C15's 7B step on 64 H100s, each with one NIC per GPU and with one
+    per node, the 7B step as dp 4 × tp 2 in one node, whose `link` (its 100 Gb/s NIC) differs from its `tp_link`
+    (NVLink 4, so a one-node ring priced on `link` shows), GPT-3 with 2 stages (one boundary each) and with none, then
+    fresh random ones."""
 
     rng = rng or fresh_rng()
-    gpt3 = cluster.preset("gpt3-175b-1024xA100", dp=128, pp=1, micro_batches=12)  # every part non-zero: first
+    gpt3 = cluster.preset("gpt3-175b-1024xA100")
     cases = [gpt3, cluster.preset("7b-64xH100"), cluster.preset("7b-64xH100", network="nic-per-node"),
-             gpt3.with_(network="nic-per-node"), cluster.preset("7b-64xH100", gpus=8, dp=4, tp=2)]
-    while len(cases) < 11:
+             gpt3.with_(network="nic-per-node"), cluster.preset("7b-64xH100", gpus=8, dp=4, tp=2),
+             gpt3.with_(dp=64, pp=2, micro_batches=24), gpt3.with_(dp=128, pp=1, micro_batches=12)]
+    while len(cases) < 13:
         config = _random_config(rng)
         if _compute_bound(config):  # else step_time's rate is below the peak the exercise text prices it at
             cases.append(config)
@@ -227,7 +233,8 @@ def training_cases(rng: random.Random | None = None) -> list:
 
 def _describe(c) -> str:
     return (f"{c.n_params / 1e9:.3g}B parameters on {c.gpus}× {c.gpu} (dp={c.dp} over {c.link}, {c.network}, "
-            f"{c.dp_per_node} per node of {c.gpus_per_node}; tp={c.tp} over {c.tp_link}), {c.batch_tokens} tokens per "
+            f"{c.dp_per_node} per node of {c.gpus_per_node}; tp={c.tp} over {c.tp_link}; pp={c.pp}), {c.batch_tokens} "
+            f"tokens per "
             f"step in {c.micro_batches} micro-batch(es), mfu={c.mfu:.3g}, {c.bytes_per_param}-byte gradients, "
             f"{c.tokens:.3g} tokens")
 
@@ -236,27 +243,37 @@ def _step_mistakes(c, t) -> list[tuple[float, str]]:
     """What a step time with one of the plausible mistakes comes to, and the mistake in words."""
 
     link = cost.LINKS[c.link]
-    grads = c.n_params / c.tp * c.bytes_per_param
-    whole = cluster.allreduce_time(c.n_params * c.bytes_per_param, c.dp, c.dp_per_node, c.network, c.link, c.tp_link,
-                                   c.rings_per_nic)
+    grads = c.n_params / (c.tp * c.pp) * c.bytes_per_param
+
+    def with_dp_of(nbytes):  # the step with the DP all-reduce of `nbytes` in place of a GPU's gradients
+        return t.total - t.dp_allreduce + cluster.allreduce_time(nbytes, c.dp, c.dp_per_node, c.network, c.link,
+                                                                 c.tp_link, c.rings_per_nic)
+
+    def with_tp(seconds):  # the step with `seconds` of TP all-reduce in place of the right ones (the bubble grows)
+        return t.total + (seconds - t.tp_allreduce) / (1 - bubble_fraction(c.pp, c.micro_batches))
+
     swapped = cluster.step_time(c.with_(link=c.tp_link, tp_link=c.link)).total
     flat = cost.ring_allreduce_time(grads, c.dp, link.alpha, link.beta)  # one ring at one NIC's full speed
     rest = t.total - t.dp_allreduce  # the step without its DP all-reduce
     mistakes = [
-        (t.compute, "that is the compute alone: this model overlaps nothing, so the DP and TP all-reduces add to it"),
+        (t.compute, "that is the compute alone: this model overlaps nothing, so the DP and TP all-reduces (and the "
+                    "pipeline's sends and bubble) add to it"),
         (max(t.compute, t.comm), "max(compute, communication) assumes a perfect overlap; the library's model "
                                  "(no overlap) adds them"),
-        (t.compute + t.dp_allreduce, "the TP all-reduces are missing: 4 per layer per micro-batch"),
-        (t.compute + t.tp_allreduce, "the gradient all-reduce over the dp ranks is missing"),
-        (t.compute + t.dp_allreduce + t.tp_allreduce / 2, "half the TP all-reduce time: Megatron all-reduces twice "
-                                                          "forward and twice backward per layer, 4 in all"),
-        (t.compute + t.dp_allreduce + t.tp_allreduce / c.micro_batches,
+        (with_tp(0), "the TP all-reduces are missing: 4 per layer per micro-batch"),
+        (t.total - t.dp_allreduce, "the gradient all-reduce over the dp ranks is missing"),
+        (with_tp(t.tp_allreduce / 2), "half the TP all-reduce time: Megatron all-reduces twice forward and twice "
+                                      "backward per layer, 4 in all"),
+        (with_tp(t.tp_allreduce / c.micro_batches),
          f"the TP all-reduces counted once per step: they happen in every one of the {c.micro_batches} micro-batches"),
-        (rest + whole, f"the gradients of the whole model: with tp={c.tp} each GPU holds N/tp of them, and only those "
-                       "cross the dp ring"),
+        (with_dp_of(c.n_params * c.bytes_per_param), f"the gradients of the whole model: with tp={c.tp} and "
+                                                     f"pp={c.pp} each GPU holds N/(tp·pp) of them, and only those "
+                                                     "cross the dp ring"),
         (swapped, f"the links are swapped: gradients cross nodes over config.link ({c.link}), the TP all-reduces "
                   f"stay in the node on config.tp_link ({c.tp_link})"),
     ]
+    if c.pp > 1:
+        mistakes += _pipeline_mistakes(c, t, with_dp_of, with_tp)
     if c.dp == c.dp_per_node:
         mistakes.append((rest + flat, f"all {c.dp} dp ranks share one node of {c.gpus_per_node} GPUs: their ring runs "
                                       f"on tp_link ({c.tp_link}), no NIC is on the way"))
@@ -277,21 +294,50 @@ def _step_mistakes(c, t) -> list[tuple[float, str]]:
     return mistakes
 
 
+def _pipeline_mistakes(c, t, with_dp_of, with_tp) -> list[tuple[float, str]]:
+    """The step with one of the plausible pipeline mistakes (c.pp > 1), and the mistake in words."""
+
+    link = cost.LINKS[c.link]
+    f = bubble_fraction(c.pp, c.micro_batches)  # the bubble's share of the pipelined step, (p−1)/(m+p−1)
+    busy = t.compute + t.tp_allreduce + t.pp_send
+    message = c.micro_batches * (link.alpha + c.micro_tokens * c.model.n_embd * c.bytes_per_activation * link.beta)
+    mistakes = [
+        (t.total - t.pp_bubble, f"the pipeline bubble is missing: with p={c.pp} stages and m={c.micro_batches} "
+                                "micro-batches each GPU idles (p−1)/m of its busy time"),
+        (t.total - t.pp_bubble + busy * f, f"(p−1)/(m+p−1) = {f:.3g} is the bubble's share of the whole pipelined "
+                                           "step, busy time included; of the busy time alone it is (p−1)/m"),
+        (t.total + t.dp_allreduce * f / (1 - f), "the gradient all-reduce happens once, after the pipeline has "
+                                                 "drained: no bubble on it"),
+        (t.total - t.pp_send / (1 - f), "the sends across the stage boundaries are missing: every micro-batch's "
+                                        "activation goes forward and its gradient back"),
+        (t.total + (2 * (c.pp - 1) * message - t.pp_send) / (1 - f),
+         f"the sends of all {c.pp - 1} boundaries: they run on different stages at once; the step waits for the "
+         "busiest stage's, a middle stage's two boundaries"),
+        (with_tp(t.tp_allreduce * c.pp), f"a stage holds n_layer/pp = {c.model.n_layer / c.pp:g} "
+                                                          "layers: its TP all-reduces are those of its layers alone"),
+        (with_dp_of(c.n_params / c.tp * c.bytes_per_param), f"with pp={c.pp} a GPU holds the gradients of its "
+                                                            "stage alone: N/(tp·pp), not N/tp"),
+    ]
+    return mistakes
+
+
 @check("5.3", "step time and training days of a cluster", hint=Hint(
-    nudge="compute the three parts of the step on their own — compute, the data-parallel all-reduce, the "
-          "tensor-parallel all-reduces — and see which one differs",
-    idea="the step is the sum of the three (nothing overlaps); the DP all-reduce's time depends on how its ranks "
-         "sit on nodes and NICs, the TP all-reduces happen 4 times per layer per micro-batch, and days follow from "
-         "the number of steps",
-    formula="step = compute + DP all-reduce + TP all-reduce (nothing overlaps): compute = 6·N·batch_tokens / "
-            "(gpus · bf16 peak · mfu); DP = all-reduce of S = N/tp × bytes_per_param bytes over the dp ranks, "
+    nudge="compute the parts of the step on their own — compute, the data-parallel all-reduce, the "
+          "tensor-parallel all-reduces, the pipeline's sends and bubble — and see which one differs",
+    idea="the pipeline's busy time is compute + TP all-reduces + stage sends; the bubble idles (p−1)/m of it; the "
+         "DP all-reduce comes after, and its time depends on how its ranks sit on nodes and NICs; the TP all-reduces "
+         "happen 4 times per layer of a stage per micro-batch, and days follow from the number of steps",
+    formula="step = busy · (1 + (p−1)/m) + DP all-reduce (nothing overlaps), busy = compute + TP + PP send: compute "
+            "= 6·N·batch_tokens / (gpus · bf16 peak · mfu); DP = all-reduce of S = N/(tp·pp) × bytes_per_param "
+            "bytes over the dp ranks, "
             "g = config.dp_per_node in each of m = dp/g nodes: one node → a ring on tp_link; 'nic-per-gpu' → "
             "reduce-scatter and all-gather over g on tp_link + a ring of S/g over m on link; 'nic-per-node' → one "
-            "ring over dp on link with β × config.rings_per_nic; TP = 4 · n_layer · micro_batches rings over tp "
-            "ranks on config.tp_link of micro_tokens × n_embd × bytes_per_activation bytes; days = (tokens / "
+            "ring over dp on link with β × config.rings_per_nic; TP = 4 · (n_layer/pp) · micro_batches rings over tp "
+            "ranks on config.tp_link of A = micro_tokens × n_embd × bytes_per_activation bytes; PP send = 2 · "
+            "min(2, p−1) · micro_batches messages of A on link, α + A·β each; days = (tokens / "
             "batch_tokens) · step / 86,400"))
 def training_time(fn):
-    """`fn(config)` for a ClusterConfig with pp = 1: (seconds per step, days of training)."""
+    """`fn(config)` for a ClusterConfig: (seconds per step, days of training)."""
 
     for c in training_cases():
         what = f"training_time({_describe(c)})"
