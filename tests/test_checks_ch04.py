@@ -1,7 +1,8 @@
 """Chapter 4's exercise checks (llmlab.checks.ch04): each passes a right answer, reports an unwritten one as
 not attempted (for the ring, a NotImplementedError raised on the ranks), and fails a plausible wrong answer with a
 message naming the mistake — an off-by-one chunk index, a missing step or phase, a missing division, whole tensors
-sent where a chunk is, a copy where the work is in place — and the hint.
+sent where a chunk is, a copy where the work is in place; for the tree, a missing broadcast, a share overwritten by
+a child's sum, the whole tensor where segments are, a ring's neighbours — and the hint.
 
 The ring answers below are written the way a learner would, with `exchange` (send right and receive left
 together), and run on the checks' own 5 gloo ranks, which the module fixture stops at the end.
@@ -9,6 +10,7 @@ together), and run on the checks' own 5 gloo ranks, which the module fixture sto
 
 
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -175,6 +177,39 @@ def flat_reshaped(tensor, group=None, op="sum"):
     return tensor
 
 
+# --- 4.6 ----------------------------------------------------------------------------------------------------
+
+def tree_all_reduce(tensor, group=None, op="sum", segments=1, broadcast=True, keep_own=True, segmented=True,
+                    copy=False):
+    """The tree all-reduce in place; `broadcast=False` stops after the reduce, `keep_own=False` receives each child's
+    sum straight into the piece (over the rank's own share), `segmented=False` sends the whole tensor at once,
+    `copy` returns a reshaped copy."""
+    rank, n = td.get_rank(group), td.get_world_size(group)
+    parent = (rank - 1) // 2 if rank else None
+    children = [c for c in (2 * rank + 1, 2 * rank + 2) if c < n]
+    flat = tensor.reshape(-1).clone() if copy else tensor.contiguous().view(-1)  # (S,)
+    pieces = flat.tensor_split(segments if segmented else 1)
+    for piece in pieces:
+        for child in children:
+            incoming = torch.empty_like(piece) if keep_own else piece
+            exchange(recvs=[(incoming, child)], group=group)
+            if keep_own:
+                piece.add_(incoming)
+        if parent is not None:
+            exchange(sends=[(piece, parent)], group=group)
+    if op == "avg" and parent is None:
+        flat.div_(n)
+    for piece in pieces if broadcast else ():
+        if parent is not None:
+            exchange(recvs=[(piece, parent)], group=group)
+        exchange(sends=[(piece, c) for c in children], group=group)
+    if copy:
+        return flat.view(tensor.shape)
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view(tensor.shape))
+    return tensor
+
+
 # --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
 
 ANSWERS = [
@@ -226,10 +261,29 @@ ANSWERS = [
                   r"arrived where it expected).* Hint 1 of 3: look at the chunk indices", hint="receives chunk r−s−2"),
     Mistake(ch04.ring_all_reduce, lambda t, g=None, op="sum": None,
             match="your function returned NoneType, expected the tensor it was given", hint="return tensor"),
+
+    Reference(ch04.tree_all_reduce, tree_all_reduce),
+    Mistake(ch04.tree_all_reduce, partial(tree_all_reduce, broadcast=False),
+            match=r"rank 1's result holds the sum over its subtree \(ranks 1(, 3)?\) only: .* the broadcast "
+                  "from the root is missing", hint="copies the root's result down the same tree"),
+    Mistake(ch04.tree_all_reduce, partial(tree_all_reduce, keep_own=False),
+            match=r"rank 0's result: element 0 misses the shares of ranks 0(, 1)?, each a rank with children",
+            hint="receive each child's partial sum into a new buffer"),
+    Mistake(ch04.tree_all_reduce, partial(tree_all_reduce, segmented=False),
+            match=r"segments=\d.* is right, but rank \d sent \d messages, not \d+: .*the whole tensor went in one "
+                  "message",
+            hint="one message each"),
+    Mistake(ch04.tree_all_reduce, lambda t, g=None, op="sum", segments=1: all_reduce(t, g, op),
+            match=r"is right, but rank \d (exchanged messages with rank \d: in the tree its neighbours are|sent \d "
+                  r"messages, not \d)", hint="(r−1)//2"),
+    Mistake(ch04.tree_all_reduce, partial(tree_all_reduce, copy=True),
+            match="is a new tensor, not the one your function was given", hint="works in place"),
+    Mistake(ch04.tree_all_reduce, lambda t, g=None, op="sum", segments=1: tree_all_reduce(t, g, "sum", segments),
+            match=r"op='avg'.* is the sum over ranks, not the average", hint="at the root, after the reduce"),
 ]
 
 
 @pytest.mark.parametrize("check", [ch04.ring_reduce_scatter, ch04.ring_all_gather, ch04.accumulate, ch04.ring_time,
-                                   ch04.ring_all_reduce])
+                                   ch04.ring_all_reduce, ch04.tree_all_reduce])
 def test_an_unwritten_answer_is_not_attempted(check, capsys):
     not_attempted(check, unwritten, capsys=capsys)

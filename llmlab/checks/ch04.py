@@ -7,6 +7,7 @@ and the whole ring all-reduce.
     check.accumulate(accumulate)                      # 4.3
     check.ring_time(ring_allreduce_time)              # 4.4
     check.ring_all_reduce(ring_all_reduce)            # 4.5, on 2–5 gloo ranks
+    check.tree_all_reduce(tree_all_reduce)            # 4.6, on 2–5 gloo ranks (ch04_tree)
 
 **Multi-rank checks.** The learner's function travels to real ranks by value (it is defined in a notebook:
 cloudpickle sends its code) and runs there on every world size from 2 to 5: one `dist.Cluster` of 5 gloo
@@ -48,8 +49,8 @@ from llmlab.dist import RankError, cost
 from llmlab.dist.collectives import chunk_sizes
 from llmlab.dist.commlog import CommLog
 
-__all__ = ["ring_reduce_scatter", "ring_all_gather", "accumulate", "ring_time", "ring_all_reduce", "close",
-           "WORLD_SIZES", "TIMEOUT_S"]
+__all__ = ["ring_reduce_scatter", "ring_all_gather", "accumulate", "ring_time", "ring_all_reduce", "tree_all_reduce",
+           "close", "WORLD_SIZES", "TIMEOUT_S"]
 
 WORLD_SIZES = (2, 3, 4, 5)
 TIMEOUT_S = 30.0  # the reference answers all cases in well under a second; more means a rank is stuck
@@ -575,15 +576,30 @@ def _ar_cases(rng: random.Random) -> list[dict]:
                  ((3, rng.randint(2, 9)), bf16, "floats", "avg"),
                  ((rng.randint(2, 9), rng.randint(2, 9)), f32, "transposed", "sum"),
                  ((not_divisible,), f32, "integers", "avg"), ((rng.randint(1000, 5000),), f64, "floats", "sum")]
-        cases += [{"n": n, "shape": shape, "dtype": dtype, "tagged": values == "tagged",
-                   "floats": values in ("floats", "transposed"), "transposed": values == "transposed", "op": op,
-                   "seed": seed + i} for i, (shape, dtype, values, op) in enumerate(kinds)]
+        cases += [_distinct({"n": n, "shape": shape, "dtype": dtype, "tagged": values == "tagged",
+                             "floats": values in ("floats", "transposed"), "transposed": values == "transposed",
+                             "op": op, "seed": seed + i}) for i, (shape, dtype, values, op) in enumerate(kinds)]
     return cases
+
+
+def _distinct(case: dict) -> dict:
+    """`case` with its seed moved on until the sum over ranks differs from every rank's own input, so that a rank
+    left holding its input (sums made in a copy) is told from a sum that is not divided (op='avg'): with a 0-d
+    tensor of small integers on 2 ranks they coincide whenever the other rank draws 0."""
+    while not (case["floats"] or case["tagged"]):  # random floats and tags never coincide
+        inputs = [_ar_input(case, r) for r in range(case["n"])]
+        total = sum(x.double() for x in inputs)
+        if not any(torch.equal(x.double(), total) for x in inputs):
+            break
+        case = {**case, "seed": case["seed"] + 1000}
+    return case
 
 
 def _ar_text(case: dict) -> str:
     shape = "a transposed (not contiguous) " if case["transposed"] else "a "
-    return f"world size {case['n']}, op={case['op']!r}, {shape}{str(case['dtype'])[6:]} tensor of shape {case['shape']}"
+    segments = f", segments={case['segments']}" if "segments" in case else ""
+    return (f"world size {case['n']}, op={case['op']!r}{segments}, {shape}{str(case['dtype'])[6:]} tensor of shape "
+            f"{case['shape']}")
 
 
 def _all_reduce_case(fn, case, group, rank):
@@ -591,7 +607,8 @@ def _all_reduce_case(fn, case, group, rank):
     (name, kind, peer, elements))."""
     x = _ar_input(case, rank)
     place = (x.data_ptr(), x.shape, x.stride())
-    args = (x, group) if case["op"] == "sum" else (x, group, case["op"])
+    args = (x, group) if case["op"] == "sum" and "segments" not in case else (x, group, case["op"])
+    args += (case["segments"],) if "segments" in case else ()
     with CommLog() as log:
         got = _call(fn, args, f"{_ar_text(case)}, rank {rank}")
     same = isinstance(got, torch.Tensor) and (got.data_ptr(), got.shape, got.stride()) == place
@@ -599,16 +616,16 @@ def _all_reduce_case(fn, case, group, rank):
     return _answer(got), same, messages
 
 
-def _ar_right(case, rank, result) -> bool:
+def _ar_right(case, rank, result, verdict=None) -> bool:
     try:
-        _ar_verdict(case, rank, result)
+        (verdict or _ar_verdict)(case, rank, result)
     except Mismatch:
         return False
     return True
 
 
-def _run_all_reduce(fn, cases) -> list:
-    return _on_members(functools.partial(_all_reduce_case, fn), _ar_right, cases)
+def _run_all_reduce(fn, cases, verdict=None) -> list:
+    return _on_members(functools.partial(_all_reduce_case, fn), functools.partial(_ar_right, verdict=verdict), cases)
 
 
 def _ar_expected(case: dict) -> tuple[torch.Tensor, float]:
@@ -665,15 +682,18 @@ def _ar_diagnosis(got, case: dict, sent: int) -> tuple[str, str | None] | None:
     return f"{holds}: a step is missing (each phase takes N−1 = {n - 1} steps)", None
 
 
-def _ar_verdict(case: dict, rank: int, result) -> None:
+def _ar_verdict(case: dict, rank: int, result, hints=None, diagnose=None, sent=None) -> None:
     """Raise Mismatch if rank `rank`'s result of `case` is wrong: its type, shape, dtype, place, values, messages.
-    The same verdict on the ranks (where they stop after the first wrong case) and in the check."""
+    The same verdict on the ranks (where they stop after the first wrong case) and in the check. The ring's hints,
+    diagnosis of a tagged case and message count by default; 4.6's tree passes its own."""
+    hints, sent = hints or _AR_HINTS, sent or _ar_messages
+    diagnose = diagnose or (lambda got, case, rank, messages: _ar_diagnosis(got, case, len(_ar_sends(messages))))
     got, same, messages = result
     n, op, x = case["n"], case["op"], _ar_input(case, rank)
     what = f"{_ar_text(case)}: rank {rank}'s result"
     if not isinstance(got, torch.Tensor):
         raise Mismatch(f"{what}: your function returned {got}, expected the tensor it was given, holding the {op}",
-                       mistake="return", hint=_AR_HINTS["return"])
+                       mistake="return", hint=hints["return"])
     if got.shape != x.shape:
         raise Mismatch(f"{what}: got shape {tuple(got.shape)}, expected {tuple(x.shape)}, the input's own (return "
                        "tensor itself, not a flat view of it)")
@@ -681,21 +701,21 @@ def _ar_verdict(case: dict, rank: int, result) -> None:
         raise Mismatch(f"{what}: got dtype {got.dtype}, expected the input's, {x.dtype}")
     if not same:
         raise Mismatch(f"{what} is a new tensor, not the one your function was given: an all-reduce works in place "
-                       "and returns its input", mistake="not in place", hint=_AR_HINTS["not in place"])
+                       "and returns its input", mistake="not in place", hint=hints["not in place"])
     exact, tol = _ar_expected(case)
     if not torch.isclose(got.double(), exact, rtol=0, atol=tol).all():
         if torch.equal(got, x):
             copied = " (it is not contiguous: reshape and contiguous() copy it)" if case["transposed"] else ""
             raise Mismatch(f"{what}: your tensor still holds its own input: the sums went into a copy of it{copied}",
-                           mistake="not in place", hint=_AR_HINTS["not in place"])
+                           mistake="not in place", hint=hints["not in place"])
         if op == "avg" and torch.allclose(got.double(), exact * n, rtol=0, atol=tol * n):
             raise Mismatch(f"{what} is the sum over ranks, not the average: op='avg' divides it by N = {n}",
-                           mistake="avg", hint=_AR_HINTS["avg"])
-        known = _ar_diagnosis(got, case, len(_ar_sends(messages))) if case["tagged"] else None
+                           mistake="avg", hint=hints["avg"])
+        known = diagnose(got, case, rank, messages) if case["tagged"] else None
         if known:
-            raise Mismatch(f"{what}: {known[0]}", mistake=known[1], hint=_AR_HINTS.get(known[1]))
+            raise Mismatch(f"{what}: {known[0]}", mistake=known[1], hint=hints.get(known[1]))
         assert_close(got.double(), exact, what=what, rtol=0, atol=tol)
-    _ar_messages(case, rank, messages, what)
+    sent(case, rank, messages, what)
 
 
 def _ar_messages(case: dict, rank: int, messages: list, what: str) -> None:
@@ -782,3 +802,7 @@ def ring_all_reduce(fn):
     for i, case in enumerate(cases[:len(per_rank[0])]):  # the ranks stop after the first wrong case
         for rank in range(case["n"]):
             _ar_verdict(case, rank, per_rank[rank][i])  # the ranks' own verdict: it raises at the case they stopped at
+
+
+# 4.6 reuses this module's ranks, cases and verdict, so it is imported once they exist
+from llmlab.checks.ch04_tree import tree_all_reduce  # noqa: E402
