@@ -7,7 +7,9 @@ and the whole ring all-reduce.
     check.accumulate(accumulate)                      # 4.3
     check.ring_time(ring_allreduce_time)              # 4.4
     check.ring_all_reduce(ring_all_reduce)            # 4.5, on 2–5 gloo ranks
-    check.tree_all_reduce(tree_all_reduce)            # 4.6, on 2–5 gloo ranks (ch04_tree)
+
+    from llmlab.checks import ch04_tree               # 4.6 builds on this module's ranks, cases and verdict
+    ch04_tree.tree_all_reduce(tree_all_reduce)        # 4.6, on 2–5 gloo ranks
 
 **Multi-rank checks.** The learner's function travels to real ranks by value (it is defined in a notebook:
 cloudpickle sends its code) and runs there on every world size from 2 to 5: one `dist.Cluster` of 5 gloo
@@ -49,8 +51,8 @@ from llmlab.dist import RankError, cost
 from llmlab.dist.collectives import chunk_sizes
 from llmlab.dist.commlog import CommLog
 
-__all__ = ["ring_reduce_scatter", "ring_all_gather", "accumulate", "ring_time", "ring_all_reduce", "tree_all_reduce",
-           "close", "WORLD_SIZES", "TIMEOUT_S"]
+__all__ = ["ring_reduce_scatter", "ring_all_gather", "accumulate", "ring_time", "ring_all_reduce", "close",
+           "WORLD_SIZES", "TIMEOUT_S"]
 
 WORLD_SIZES = (2, 3, 4, 5)
 TIMEOUT_S = 30.0  # the reference answers all cases in well under a second; more means a rank is stuck
@@ -803,6 +805,3 @@ def ring_all_reduce(fn):
         for rank in range(case["n"]):
             _ar_verdict(case, rank, per_rank[rank][i])  # the ranks' own verdict: it raises at the case they stopped at
 
-
-# 4.6 reuses this module's ranks, cases and verdict, so it is imported once they exist
-from llmlab.checks.ch04_tree import tree_all_reduce  # noqa: E402

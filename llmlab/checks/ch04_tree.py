@@ -1,7 +1,7 @@
 """The check of exercise 4.6 (solutions/04_communication.ipynb): the tree all-reduce, pipelined in segments.
 
-    from llmlab.checks import ch04 as check
-    check.tree_all_reduce(tree_all_reduce)            # 4.6, on 2–5 gloo ranks, against llmlab.dist.tree_all_reduce
+    from llmlab.checks import ch04_tree
+    ch04_tree.tree_all_reduce(tree_all_reduce)        # 4.6, on 2–5 gloo ranks, against llmlab.dist.tree_all_reduce
 
 It runs the learner's function on the same persistent ranks and cases as 4.5's ring (`ch04._ar_cases`: tagged
 tensors, uneven and empty pieces, a 0-d and a transposed tensor, bf16, float64, random floats, op="avg"), each with
@@ -23,7 +23,9 @@ import torch
 from llmlab.checks import Hint, Mismatch, ch04, check, fresh_rng
 from llmlab.dist.collectives import chunk_sizes
 
-__all__ = ["tree_all_reduce"]
+__all__ = ["tree_all_reduce", "close"]
+
+close = ch04.close  # stop the checks' ranks (shared with 4.1, 4.2 and 4.5)
 
 _FORMULA = ("parent = (r−1)//2 (none at r = 0), children = [c for c in (2r+1, 2r+2) if c < N]; flat = tensor.view(-1) "
             "(a contiguous copy for a transposed tensor), pieces = flat.tensor_split(segments); reduce: for each "

@@ -23,6 +23,7 @@ collectives, and one collective called from different lines.
 
 from __future__ import annotations
 
+import random
 import sysconfig
 
 from llmlab.checks import Hint, Mismatch, check, fresh_rng
@@ -128,8 +129,6 @@ def last_hang() -> str | None:
 
 def example_hang(seed: int | None = None) -> str:
     """A hang message like those the check gives `find_hang` (`seed`: the same one every time)."""
-    import random
-
     rng = random.Random(seed)
     return _message(rng, *_cases(rng)[1])
 
