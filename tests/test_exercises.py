@@ -163,6 +163,17 @@ def test_the_repository_exercises_are_built_from_its_solutions():
     assert notebooks.check(Path(__file__).resolve().parent.parent) == []
 
 
+def test_reference_lines_count_code_inside_solution_regions_only():
+    nb = new_notebook(cells=[
+        new_markdown_cell("### Exercise 1.1: A"),
+        new_code_cell("def f(x):\n    ### BEGIN SOLUTION\n    # a comment\n\n    y = x + 1\n    return y\n"
+                      "    ### BEGIN STARTER\n    # return x\n    ### END STARTER\n    ### END SOLUTION\nprint(f(1))"),
+        new_markdown_cell("### Exercise 1.2: B"),
+        new_code_cell("x = 1"),
+    ])
+    assert notebooks.reference_lines(nb) == {"1.1": 2}
+
+
 def test_check_passes_right_after_build(project):
     notebooks.build(project)
     assert notebooks.check(project) == []

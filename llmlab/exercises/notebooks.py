@@ -138,6 +138,25 @@ def cell_exercises(nb: nbformat.NotebookNode) -> list[Exercise | None]:
     return owners
 
 
+def reference_lines(nb: nbformat.NotebookNode) -> dict[str, int]:
+    """Exercise id → the lines of code its reference solution writes: those inside its solution regions that are
+    neither blank nor a comment, its starter block left out (issue 28's measure of how much a learner builds)."""
+    counts: dict[str, int] = {}
+    for cell, owner in zip(nb.cells, cell_exercises(nb), strict=True):
+        if cell.cell_type != "code" or owner is None:
+            continue
+        inside = False
+        for line in cell.source.splitlines():
+            text = line.strip()
+            if text in (BEGIN, END_STARTER):
+                inside = True
+            elif text in (END, BEGIN_STARTER):
+                inside = False
+            elif inside and text and not text.startswith("#"):
+                counts[owner.id] = counts.get(owner.id, 0) + 1
+    return counts
+
+
 def exercise_text(solution: Path) -> str:
     """The exact text :func:`build` writes for `solution` (a solutions/NN_topic.ipynb path)."""
     solution = Path(solution)
