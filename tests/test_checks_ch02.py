@@ -4,6 +4,7 @@ answer with a message naming the mistake and the hint. The multi-rank checks sha
 
 
 import random
+import time
 
 import pytest
 import torch
@@ -12,8 +13,9 @@ import torch.nn.functional as F
 from check_answers import Mistake, Reference
 from grading import fails, not_attempted, passes
 
-from llmlab.checks import ch02
+from llmlab.checks import ch02, ch02_ddp
 from llmlab.parallel import schedules
+from llmlab.parallel.ddp import DataParallel, buckets
 from llmlab.parallel.schedules import Action
 
 
@@ -178,6 +180,167 @@ def llmlab_scaler(scale, tracker, found_inf, growth_factor, backoff_factor, grow
     return s.scale, s.clean_steps
 
 
+# --- 2.5 ----------------------------------------------------------------------------------------------------
+
+class BucketedDDP:
+    def __init__(self, module, bucket_bytes, group=None):
+        self.group, self.world_size = group, td.get_world_size(group)
+        self.buckets, current, size = [], [], 0
+        for p in reversed(list(module.parameters())):
+            nbytes = p.numel() * p.element_size()
+            if current and size + nbytes > bucket_bytes:
+                self.buckets.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += nbytes
+        if current:
+            self.buckets.append(current)
+        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.ready, self.pending = [0] * len(self.buckets), []
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _on_grad(self, p):
+        i = self.bucket_of[p]
+        self.ready[i] += 1
+        if self.ready[i] == len(self.buckets[i]):
+            self._launch(i)
+
+    def _launch(self, i):
+        flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
+        self.pending.append((i, flat, td.all_reduce(flat, group=self.group, async_op=True)))
+
+    def finish(self):
+        for i, flat, handle in self.pending:
+            handle.wait()
+            flat /= self.world_size
+            self._copy_back(i, flat)
+        self.ready, self.pending = [0] * len(self.buckets), []
+
+    def _copy_back(self, i, flat):
+        for p, piece in zip(self.buckets[i], flat.split([q.numel() for q in self.buckets[i]]), strict=True):
+            p.grad.copy_(piece.view_as(p))
+
+
+class LlmlabDDP(DataParallel):  # llmlab's own DDP passes too: it finishes in an autograd-engine callback
+    def __init__(self, module, bucket_bytes, group=None):
+        super().__init__(module, bucket_mb=bucket_bytes / 2**20, group=group)
+
+    def finish(self):
+        pass
+
+
+class SumsDDP(BucketedDDP):
+    def finish(self):
+        for i, flat, handle in self.pending:
+            handle.wait()
+            self._copy_back(i, flat)
+        self.ready, self.pending = [0] * len(self.buckets), []
+
+
+class ForwardOrderDDP(BucketedDDP):
+    def __init__(self, module, bucket_bytes, group=None):
+        super().__init__(module, bucket_bytes, group)
+        self.buckets = buckets(list(module.parameters())[::-1], bucket_bytes / 2**20)
+        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+
+
+class WaitsInTheHook(BucketedDDP):
+    def _launch(self, i):
+        super()._launch(i)
+        self.pending[-1][2].wait()
+
+
+class BlockingDDP(BucketedDDP):
+    def _launch(self, i):
+        flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
+        td.all_reduce(flat, group=self.group)
+        flat /= self.world_size
+        self._copy_back(i, flat)
+
+    def finish(self):
+        self.ready = [0] * len(self.buckets)
+
+
+class LaunchesAtTheCap(BucketedDDP):  # a bucket goes out when it holds bucket_bytes: the partial last one never does
+    def __init__(self, module, bucket_bytes, group=None):
+        super().__init__(module, bucket_bytes, group)
+        self.cap = bucket_bytes
+
+    def _on_grad(self, p):
+        i = self.bucket_of[p]
+        self.ready[i] += 1
+        if sum(q.numel() * q.element_size() for q in self.buckets[i][:self.ready[i]]) >= self.cap:
+            self._launch(i)
+
+
+class DropsTheLastBucket(BucketedDDP):  # forgot `if current: buckets.append(current)`, hooks only on bucketed ones
+    def __init__(self, module, bucket_bytes, group=None):
+        self.group, self.world_size = group, td.get_world_size(group)
+        self.buckets, current, size = [], [], 0
+        for p in reversed(list(module.parameters())):
+            if current and size + p.numel() * p.element_size() > bucket_bytes:
+                self.buckets.append(current)
+                current, size = [], 0
+            current.append(p)
+            size += p.numel() * p.element_size()
+        self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.ready, self.pending = [0] * len(self.buckets), []
+        for p in self.bucket_of:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+
+class NeverCopiesBack(BucketedDDP):
+    def _copy_back(self, i, flat):
+        pass
+
+
+class AllInFinish(BucketedDDP):  # no hooks: every bucket all-reduced after backward
+    def _on_grad(self, p):
+        pass
+
+    def finish(self):
+        for i in range(len(self.buckets)):
+            self._launch(i)
+        super().finish()
+
+
+class OnePerParameter(BucketedDDP):
+    def _launch(self, i):
+        for q in self.buckets[i]:
+            self.pending.append((None, q.grad, td.all_reduce(q.grad, group=self.group, async_op=True)))
+
+    def _copy_back(self, i, flat):
+        pass
+
+
+class IgnoresTheGroup(BucketedDDP):
+    def _launch(self, i):
+        flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
+        self.pending.append((i, flat, td.all_reduce(flat, async_op=True)))
+
+    def finish(self):
+        self.world_size = td.get_world_size()
+        super().finish()
+
+
+class NeverResets(BucketedDDP):
+    def finish(self):
+        for i, flat, handle in self.pending:
+            handle.wait()
+            flat /= self.world_size
+            self._copy_back(i, flat)
+        self.pending = []
+
+
+class UnwrittenDDP:
+    def __init__(self, module, bucket_bytes, group=None):
+        raise NotImplementedError("Exercise 2.5")
+
+    def finish(self):
+        raise NotImplementedError("Exercise 2.5")
+
+
 # --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
 
 AVERAGE_HINT = "divide it by the group's size"
@@ -248,6 +411,30 @@ ANSWERS = [
             match="one rank's work with no waiting", hint="a forward needs the same micro-batch's forward"),
     Mistake(ch02.pipeline_1f1b, lambda p, m: [plan[:-1] for plan in one_f_one_b(p, m)], step_time,
             match="every rank runs each forward", hint="1F1B keeps"),
+
+    Reference(ch02.bucketed_ddp, BucketedDDP),
+    Reference(ch02.bucketed_ddp, LlmlabDDP),
+    Mistake(ch02.bucketed_ddp, SumsDDP, match="the sum over the group's ranks: divide by its size",
+            hint="divide by the group's size"),
+    Mistake(ch02.bucketed_ddp, ForwardOrderDDP, match="the parameters in registration order; DDP buckets them in "
+            "reverse", hint="the last layer's gradients come first"),
+    Mistake(ch02.bucketed_ddp, WaitsInTheHook, match="was waited on before the next bucket was launched",
+            hint="wait only in finish()"),
+    Mistake(ch02.bucketed_ddp, BlockingDDP, match="launched with async_op=False", hint="wait only in finish()"),
+    Mistake(ch02.bucketed_ddp, LaunchesAtTheCap,
+            match=r"\d+ of the \d+ buckets were all-reduced during backward|none of the \d+ buckets",
+            hint="the last bucket is partial"),
+    Mistake(ch02.bucketed_ddp, DropsTheLastBucket, match="the last, partial bucket is missing",
+            hint="the last bucket is partial"),
+    Mistake(ch02.bucketed_ddp, NeverCopiesBack, match="this rank's own gradient: the all-reduced buffers never "
+            "reached .grad", hint="write every slice back"),
+    Mistake(ch02.bucketed_ddp, AllInFinish, match="launched in finish\\(\\), after backward: none overlapped",
+            hint="wait only in finish()"),
+    Mistake(ch02.bucketed_ddp, OnePerParameter, match="one per parameter", hint="the last bucket is partial"),
+    Mistake(ch02.bucketed_ddp, IgnoresTheGroup, match="group of 2 .* the mean over all 4 ranks, not over the 2",
+            hint="divide by the group's size"),
+    Mistake(ch02.bucketed_ddp, NeverResets, match="backward 2 of 2: none of the .* reset by the first finish",
+            hint="the last bucket is partial"),
 ]
 
 
@@ -258,3 +445,10 @@ def test_an_unwritten_answer_is_not_attempted(check, capsys):
 
 def test_an_unwritten_pipeline_answer_is_not_attempted(capsys):
     not_attempted(ch02.pipeline_1f1b, unwritten, step_time, capsys=capsys)
+
+
+def test_an_unwritten_ddp_class_is_not_attempted_without_the_ranks(capsys, monkeypatch):
+    monkeypatch.setattr(ch02_ddp, "cluster", lambda: pytest.fail("the ranks were asked"))  # decided from the source
+    start = time.perf_counter()
+    not_attempted(ch02.bucketed_ddp, UnwrittenDDP, capsys=capsys)
+    assert time.perf_counter() - start < 1.0

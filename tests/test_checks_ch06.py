@@ -7,6 +7,7 @@ slip its message names.
 """
 
 import math
+import time
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from check_answers import Mistake, Reference
 from grading import not_attempted
 
 from llmlab.checks import ch06
+from llmlab.monitor import Monitor
 from llmlab.train.clip import clip_grad_norm
 from llmlab.train.schedule import material_warmup_lr, warmup_cosine_lr
 
@@ -190,6 +192,98 @@ STEP_MISTAKES = {
 }
 
 
+# --- 6.4 ----------------------------------------------------------------------------------------------------
+
+def update_monitor(mistake=None):
+    """The solution's UpdateMonitor class; `mistake` changes one thing ("float64": right, the subtraction and the
+    norms in float64)."""
+
+    def norm(t):
+        if mistake == "float64":
+            return torch.linalg.vector_norm(t.double()).item()
+        return torch.linalg.vector_norm(t, dtype=None if mistake == "bf16 norm" else torch.float32).item()
+
+    class UpdateMonitor:
+        def __init__(self):
+            self.history, self.update_ratios = {}, {}
+
+        def watch(self, model, **_):
+            self.params = {n: p for n, p in model.named_parameters()
+                           if (p.requires_grad or mistake == "frozen watched")
+                           and (p.grad is not None or mistake != "grad at watch")}
+            if mistake == "last update":  # a copy before each update's forward: the last update's ratio only
+                model.register_forward_pre_hook(lambda module, args: self.copy_weights())
+            self.copy_weights()
+
+        def copy_weights(self):
+            with torch.no_grad():
+                self.before = {n: p.detach().clone() for n, p in self.params.items()}
+
+        def log(self, step, metrics):
+            if mistake == "copy after":
+                self.copy_weights()
+            moved = size = 0.0
+            ratios, norms = {}, []
+            with torch.no_grad():
+                for name, p in self.params.items():
+                    if mistake == "unused skipped" and p.grad is None:
+                        continue
+                    before = self.before[name]
+                    if mistake == "float64":  # the subtraction too: exact, where p − before rounds in bf16
+                        p, before = p.double(), before.double()
+                    change = {"grad norm": p.grad, "lr times grad": None if p.grad is None else
+                              metrics["lr"] * p.grad}.get(mistake, p - before)
+                    d2, w2 = norm(change) ** 2, norm(p if mistake == "norm after" else before) ** 2
+                    moved, size = moved + d2, size + w2
+                    norms.append((d2 ** 0.5, w2 ** 0.5))
+                    if mistake == "zero inf":
+                        ratios[name] = (torch.tensor(d2) / torch.tensor(w2)).sqrt().item()  # inf or NaN at w = 0
+                    elif mistake == "zero divides":
+                        ratios[name] = math.sqrt(d2 / w2)
+                    else:
+                        ratios[name] = (d2 / w2 if mistake == "squared" else math.sqrt(d2 / w2)) if w2 > 0 else math.nan
+            overall = math.sqrt(moved / size) if size > 0 else math.nan
+            if mistake == "mean of ratios":
+                overall = sum(ratios.values()) / len(ratios)
+            elif mistake == "norms summed":
+                overall = sum(d for d, _ in norms) / sum(w for _, w in norms)
+            elif mistake == "squared global":
+                overall = moved / size
+            for name, ratio in ratios.items():
+                self.update_ratios.setdefault(name, []).append((step, overall if mistake == "global" else ratio))
+            logged = {"update_ratio": overall} if mistake == "history" else {**metrics, "update_ratio": overall}
+            for name, value in logged.items():
+                self.history.setdefault(name, []).append((step, float(value)))
+            if mistake not in ("copy at watch", "copy after"):
+                self.copy_weights()
+
+    return UpdateMonitor
+
+
+MONITOR_MISTAKES = {  # mistake: (what the message says, a word of the hint)
+    "grad norm": (r"SGD\(lr=.* update_ratios\['inp.weight'\] = .*: the ratio of the gradient's norm", "θ now − θ"),
+    "lr times grad": (r"lr·‖g‖/‖θ‖, the step plain SGD would take", "not lr·g"),
+    "norm after": (r"weight_decay=.* ‖Δθ‖/‖θ_after‖: divide by the weights from before", "‖θ_before‖"),
+    "squared": (r"the squared ratio: take the square root", "no squares left"),
+    "copy after": (r"every ratio is 0: the copy was taken after the update", "compare first"),
+    "copy at watch": (r"at the log of update 2 .* the ratio since watch, not since the last log", "again at the end"),
+    "last update": (r"logging every [23] updates, at the log of update [23] .* the last update's ratio only",
+                    "θ at the last log"),
+    "global": (r"the global ratio of all tensors in every tensor's place", "of that tensor alone"),
+    "bf16 norm": (r"on a bfloat16 model.* a norm summed in bfloat16", "dtype=torch.float32"),
+    "frozen watched": (r"update_ratios has 'inp\.(weight|bias)', which is frozen \(requires_grad=False\)",
+                       "never moves"),
+    "unused skipped": (r"update_ratios has no 'spare', a parameter that requires grad", "moved 0"),
+    "grad at watch": (r"update_ratios is empty after \d logs: .* at watch no parameter has a .grad yet", "moved 0"),
+    "zero inf": (r"= inf, expected nan .* this tensor was all zeros before the update", "records NaN"),
+    "zero divides": (r"log raised ZeroDivisionError \(float division by zero\) at update 1", "records NaN"),
+    "mean of ratios": (r"history\['update_ratio'\] at update 1 is .*: the mean of the tensors' ratios", "Σ‖Δθ‖²"),
+    "norms summed": (r"Σ‖Δθ‖ / Σ‖θ‖, the norms summed", "Σ‖Δθ‖²"),
+    "squared global": (r"the squared global ratio", "Σ‖Δθ‖²"),
+    "history": (r"history has no 'loss', a metric log was given: record every one", "every metric"),
+}
+
+
 # --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
 
 ANSWERS = [
@@ -221,12 +315,29 @@ ANSWERS = [
     Reference(ch06.scaled_step, scaled_step),
     *[Mistake(ch06.scaled_step, lambda *args, m=mistake: scaled_step(*args, mistake=m), match=match,
               hint="scaler.unscale_(grads)") for mistake, match in STEP_MISTAKES.items()],
+
+    Reference(ch06.update_monitor, update_monitor()),
+    Reference(ch06.update_monitor, update_monitor("float64")),
+    Reference(ch06.update_monitor, lambda: Monitor(peak=None)),  # llmlab's own, the reference
+    *[Mistake(ch06.update_monitor, update_monitor(mistake), match=match, hint=hint)
+      for mistake, (match, hint) in MONITOR_MISTAKES.items()],
 ]
 
 
 @pytest.mark.parametrize("check", [ch06.lr_at, ch06.clip_grad_norm, ch06.scaled_step])
 def test_an_unwritten_answer_is_not_attempted(check, capsys):
     not_attempted(check, unwritten, capsys=capsys)
+
+
+class UnwrittenMonitor:  # the generated exercise's class: every method raises
+    def __init__(self):
+        raise NotImplementedError("Exercise 6.4")
+
+
+def test_an_unwritten_monitor_is_not_attempted_at_once(capsys):
+    start = time.perf_counter()
+    not_attempted(ch06.update_monitor, UnwrittenMonitor, capsys=capsys)
+    assert time.perf_counter() - start < 1.0
 
 
 def test_every_lr_mistake_differs_by_far_more_than_the_float32_tolerance():
@@ -248,3 +359,48 @@ def test_every_lr_mistake_differs_by_far_more_than_the_float32_tolerance():
 def test_a_float32_answer_passes(capsys):
     ch06.lr_at(float32)
     assert "passed" in capsys.readouterr().out
+
+
+def test_the_monitor_tolerance_has_a_margin(monkeypatch):
+    """ch06_monitor._TOL (2e-4) has room both ways: the right answers (float32 and float64 sums, llmlab's own) pass
+    at a tenth of it, and every named mistake but a norm summed in bf16 (off by ≤ 2⁻⁹, ~10×) is named at 10× it."""
+    from check_answers import judge
+
+    from llmlab.checks import ch06_monitor
+
+    monkeypatch.setattr(ch06_monitor, "_TOL", ch06_monitor._TOL / 10)
+    for answer in [a for a in ANSWERS if a.check is ch06.update_monitor and isinstance(a, Reference)] * 10:
+        assert judge(answer) == ""
+    monkeypatch.setattr(ch06_monitor, "_TOL", ch06_monitor._TOL * 100)
+    for mistake, (match, hint) in MONITOR_MISTAKES.items():
+        if mistake != "bf16 norm":
+            assert judge(Mistake(ch06.update_monitor, update_monitor(mistake), match=match, hint=hint)) == ""
+
+
+def test_the_solution_monitor_follows_a_trainer_as_llmlabs_does():
+    """The exercise says `Trainer(monitor=UpdateMonitor())` works: under llmlab's Trainer (which calls watch with
+    precision= and devices=, and log after zeroing the gradients, every log_interval updates) the solution records
+    what llmlab's Monitor records."""
+    from llmlab.train import TrainConfig, Trainer
+
+    mine, ref = update_monitor()(), Monitor(peak=None)
+
+    class Both:  # the Trainer takes one monitor: hand both the same calls
+        def watch(self, model, **options):
+            mine.watch(model, **options)
+            ref.watch(model, **options)
+
+        def log(self, step, metrics):
+            mine.log(step, dict(metrics))
+            ref.log(step, dict(metrics))
+
+    config = TrainConfig.preset("tiny", steps=6, warmup=2, batch_size=4, block_size=8, log_interval=2)
+    Trainer(config=config, monitor=Both(), progress=False).fit()
+    assert mine.update_ratios.keys() == ref.update_ratios.keys()
+    for name, ratios in ref.update_ratios.items():
+        assert [s for s, _ in mine.update_ratios[name]] == [2, 4, 6]
+        assert [r for _, r in mine.update_ratios[name]] == pytest.approx([r for _, r in ratios], rel=1e-6, nan_ok=True)
+    assert mine.history.keys() == ref.history.keys() >= {"loss", "grad_norm", "update_ratio"}
+    for key, values in ref.history.items():
+        assert [s for s, _ in mine.history[key]] == [s for s, _ in values]
+        assert [v for _, v in mine.history[key]] == pytest.approx([v for _, v in values], rel=1e-6)

@@ -1,16 +1,25 @@
-"""Chapter 8's exercise checks (llmlab.checks.ch08): each passes the reference answer, reports an unwritten
-answer as not attempted, and fails a plausible wrong answer with a message naming the mistake and the hint."""
+"""Chapter 8's exercise checks (llmlab.checks.ch08): each passes the reference answers, reports an unwritten answer
+as not attempted, and fails a plausible wrong answer with a message naming the mistake and the hint.
 
+Each answer is the solution notebook's, with switches for the mistakes a learner makes (`lora()`, `top2_route`,
+`lsq_function()` with no arguments are the solutions); a second, independent right answer (A Gaussian and the
+update folded into the weight on the fly; slots from GShard's one-hot cumsum; the paper's clipping line) must pass
+too."""
+
+import copy
 import math
+import random
+import time
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from check_answers import Mistake, Reference
-from grading import fails, not_attempted, passes
+from grading import fails, not_attempted
 
-from llmlab.checks import ch08
+from llmlab.checks import ch08, ch08_lsq, ch08_moe
+from llmlab.moe import Routing, route
 
 
 @pytest.fixture(autouse=True)
@@ -22,149 +31,384 @@ def unwritten(*args):
     raise NotImplementedError("Exercise 8.x")
 
 
-# --- 8.1: LoRA ----------------------------------------------------------------------------------------------
+# --- 8.1: a LoRA layer ----------------------------------------------------------------------------------------
 
-class LoRA(nn.Module):
-    """The reference: A Kaiming-uniform (loralib), B zero, scale α/r. `init` and `scale` make wrong variants."""
+def lora(init="paper", scale="alpha/r", like_base=True, fold="scaled", skip_merged=True, no_grad=True,
+         guard="raise", unmerge_sign=-1, clears_flag=True, forward="two matmuls"):
+    """The solution's LoRA layer (A Kaiming-uniform as loralib, B zero, scale α/r), with a switch per mistake."""
 
-    init, scale = "paper", "alpha/r"
+    class LoRA(nn.Module):
+        def __init__(self, base, r, alpha):
+            super().__init__()
+            self.base = base.requires_grad_(False)
+            self.scale = {"alpha/r": alpha / r, "none": 1.0, "alpha": alpha}[scale]
+            like = dict(device=base.weight.device, dtype=base.weight.dtype) if like_base else {}
+            self.lora_A = nn.Parameter(torch.zeros(r, base.in_features, **like))  # (r, in)
+            self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, **like))  # (out, r)
+            if init in ("paper", "both random"):
+                nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+            if init == "gaussian":  # the paper's own words: "a random Gaussian initialization for A"
+                nn.init.normal_(self.lora_A)
+            if init in ("swapped", "both random"):
+                nn.init.normal_(self.lora_B)
+            self.merged = False
 
-    def __init__(self, base, r, alpha):
-        super().__init__()
-        self.base = base.requires_grad_(False)
-        self.lora_A = nn.Parameter(torch.zeros(r, base.in_features))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r))
-        if self.init in ("paper", "both random"):
-            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        if self.init in ("swapped", "both random"):
-            nn.init.normal_(self.lora_B)
-        self.s = {"alpha/r": alpha / r, "none": 1.0, "alpha": alpha}[self.scale]
+        def delta_weight(self):
+            return (self.lora_B @ self.lora_A) * self.scale  # (out, in)
 
-    def forward(self, x):
-        return self.base(x) + (x @ self.lora_A.T) @ self.lora_B.T * self.s  # (..., out)
+        def forward(self, x):
+            if forward == "folded" and not self.merged:  # the update folded into the weight on the fly
+                return F.linear(x, self.base.weight + self.delta_weight(), self.base.bias)
+            h = self.base(x)  # (..., out)
+            if self.merged and skip_merged:
+                return h
+            return h + (x @ self.lora_A.T) @ self.lora_B.T * self.scale
+
+        def merge(self):
+            if self.merged and guard != "none":
+                if guard == "raise":
+                    raise RuntimeError("merge(): already merged")
+                return
+            delta = self.delta_weight() if fold == "scaled" else self.lora_B @ self.lora_A
+            if no_grad:
+                with torch.no_grad():
+                    self.base.weight += delta
+            else:  # in place on the frozen leaf, under autograd (`+=` would be refused by nn.Module)
+                self.base.weight.add_(delta)
+            self.merged = True
+
+        def unmerge(self):
+            if not self.merged and guard != "none":
+                if guard == "raise":
+                    raise RuntimeError("unmerge(): not merged")
+                return
+            with torch.no_grad():
+                self.base.weight += unmerge_sign * self.delta_weight()
+            self.merged = not clears_flag
+
+    return LoRA
 
 
-def variant(**attrs):
-    return type("Variant", (LoRA,), attrs)
-
-
-class Unfrozen(LoRA):
+class Unfrozen(lora()):
     def __init__(self, base, r, alpha):
         super().__init__(base, r, alpha)
         base.requires_grad_(True)
 
 
-class Merged(LoRA):
-    """A different but correct forward: the update folded into the weight on the fly."""
-
-    def forward(self, x):
-        return F.linear(x, self.base.weight + self.s * self.lora_B @ self.lora_A, self.base.bias)
+class Copied(lora()):
+    def __init__(self, base, r, alpha):
+        super().__init__(copy.deepcopy(base), r, alpha)
 
 
-def test_lora_linear_passes_a_slow_learner_that_still_learns(monkeypatch, capsys):
-    """The smallest case (7 → 5, r = 1, α/r = 1) learns slowly: on this draw the reference's loss fell by less than
-    10% in 20 steps, which the bound before (0.9 of the first loss) failed — 1 call in 300 did."""
-    monkeypatch.setattr(ch08, "_lora_cases", lambda rng: [(7, 5, 1, 1.0)])
-    torch.manual_seed(870)  # the check draws the layer, x and the target from torch's generator
-    passes(ch08.lora_linear, LoRA, capsys=capsys)
+class NotWritten(nn.Module):
+    """The exercise notebook's LoRA: every method body is `raise NotImplementedError(...)`."""
+
+    def __init__(self, base, r, alpha):
+        super().__init__()
+        raise NotImplementedError("Exercise 8.1: A LoRA layer")
 
 
-# --- 8.2: the top-2 router ------------------------------------------------------------------------------------
+def test_lora_layer_is_not_attempted_at_once(capsys):
+    start = time.perf_counter()
+    not_attempted(ch08.lora_layer, NotWritten, capsys=capsys)
+    assert time.perf_counter() - start < 1
 
-def top2_route(logits, renormalise=True, f_from="assignments"):
+
+# --- 8.2: the top-2 router with capacity ---------------------------------------------------------------------
+
+def top2_route(logits, capacity_factor):
+    """The solution notebook's router."""
     T, E = logits.shape
-    p = logits.float().softmax(-1)  # (T, E)
-    top_p, expert = p.topk(2, dim=-1)  # (T, 2)
-    gate = top_p / top_p.sum(-1, keepdim=True) if renormalise else top_p
-    if f_from == "assignments":
-        f = torch.bincount(expert.flatten(), minlength=E).float() / (2 * T)  # (E,)
-    elif f_from == "probabilities":
-        f = p.mean(0)
-    else:  # first choices
-        f = torch.bincount(expert[:, 0], minlength=E).float() / T
-    return expert, gate, E * (f * p.mean(0)).sum()
+    logits = logits.float()  # (T, E)
+    lse = torch.logsumexp(logits, -1)  # (T,)
+    probs = (logits - lse[:, None]).exp()  # (T, E)
+    top_p, expert = probs.topk(2, dim=-1)  # (T, 2)
+    gate = top_p / top_p.sum(-1, keepdim=True)
+    choice = expert.T.reshape(-1)  # (2T,)
+    load = torch.bincount(choice, minlength=E)  # (E,)
+    balance = E * (load.float() / (2 * T) * probs.mean(0)).sum()
+    order = torch.argsort(choice, stable=True)  # (2T,)
+    if capacity_factor is None:
+        return Routing(probs, expert, gate, order, load, load, None, balance, lse.square().mean())
+    capacity = math.ceil(2 * T / E * capacity_factor)
+    place = torch.arange(2 * T) - (load.cumsum(0) - load)[choice[order]]  # (2T,)
+    return Routing(probs, expert, gate, order[place < capacity], load.clamp(max=capacity), load, capacity, balance,
+                   lse.square().mean())
 
 
-def flipped(logits):
-    expert, gate, balance = top2_route(logits)
-    return expert.flip(-1), gate, balance
+def cumsum_route(logits, capacity_factor, gates="before drop", capacity="ceil", priority="choice-major",
+                 drop=True, grouped=True, f="load", z="squared", zero_dropped=False):
+    """An independent router, slots from GShard's one-hot cumsum, with a switch per mistake."""
+    T, E = logits.shape
+    probs = logits.float().softmax(-1)  # (T, E)
+    top_p, expert = probs.topk(2, dim=-1)  # (T, 2)
+    choice = expert.T.reshape(-1)  # (2T,) assignment a = j·T + t
+    x = 2 * T / E * capacity_factor if capacity_factor is not None else None
+    cap = None if x is None else {"ceil": math.ceil(x), "floor": math.floor(x), "round": round(x),
+                                  "tokens": math.ceil(T / E * capacity_factor), "none": None}[capacity]
+    a = torch.arange(2 * T)  # the assignments, and below the order they are served in, first served first
+    serve = {"choice-major": a, "token-major": a.view(2, T).T.reshape(-1), "second first": a.roll(T),  # (2T,)
+             "by probability": torch.argsort(-top_p.T.reshape(-1), stable=True), "per choice": a}[priority]
+    onehot = F.one_hot(choice[serve], E)  # (2T, E) in serving order
+    place = torch.empty_like(a)
+    place[serve] = ((onehot.cumsum(0) - 1) * onehot).sum(-1)  # (2T,) each assignment's place in its queue
+    rank = torch.empty_like(a)
+    rank[serve] = a  # when each assignment is served
+    if priority == "per choice":  # a queue of `capacity` slots per expert for each choice
+        onehot = F.one_hot(choice, E).view(2, T, E)
+        place = ((onehot.cumsum(1) - 1) * onehot).sum(-1).reshape(-1)  # (2T,) place among the same choice
+    keep = place < (cap if cap is not None and drop else 2 * T)  # (2T,)
+    kept = keep.nonzero().squeeze(1)  # (K,)
+    if grouped:
+        kept = kept[torch.argsort(choice[kept] * 2 * T + rank[kept])]
+    keep2 = keep.view(2, T).T  # (T, 2)
+    shown = top_p * keep2 if gates == "after drop" else top_p
+    gate = top_p if gates == "raw" else top_p / shown.sum(-1, keepdim=True)
+    gate = gate.masked_fill(~keep2, 0) if zero_dropped or gates == "after drop" else gate
+    load = torch.bincount(choice, minlength=E)  # (E,)
+    counts = torch.bincount(choice[kept], minlength=E)  # (E,)
+    P = probs.mean(0)  # (E,)
+    f_i = {"load": load.float() / (2 * T), "probabilities": P, "first": torch.bincount(expert[:, 0], minlength=E) / T,
+           "kept": counts.float() / (2 * T), "no N": load.float() / (2 * T) / E}[f]
+    lse = torch.logsumexp(logits.float(), -1)  # (T,)
+    return Routing(probs, expert, gate, kept, counts, load, cap, E * (f_i * P).sum(),
+                   lse.square().mean() if z == "squared" else lse.mean())
+
+
+WITHIN = "not in priority order within an expert"  # the right set kept: only the order within an expert tells
+
+
+def flipped(logits, capacity_factor):
+    r = top2_route(logits, capacity_factor)
+    return Routing(r.probs, r.expert.flip(-1), r.gate.flip(-1), r.kept, r.counts, r.load, r.capacity,
+                   r.balance_loss, r.z_loss)
+
+
+def test_the_checks_slot_rule_is_llmlabs():
+    """`ch08_moe._kept_by` in priority order a = 0, 1, … gives route's kept, at every capacity."""
+    for T, E in ((1, 2), (9, 3), (60, 7)):
+        logits = torch.randn(T, E) * 2
+        for cf in (0.3, 1.0, 2.5):
+            r = route(logits, 2, cf)
+            assert torch.equal(ch08_moe._kept_by(r.expert.T.reshape(-1), torch.arange(2 * T), r.capacity, E), r.kept)
+
+
+def test_router_cases_bind_capacity_and_keep_top_choices_apart():
+    cases = ch08_moe._cases(random.Random(0))
+    drops = [route(x, 2, cf).drop_rate for x, cf in cases]
+    assert drops[3] > 0.5 and drops[4] == 0  # cf 0.35 binds hard; dropless drops nothing
+    for logits, _ in cases:
+        top = logits.topk(min(3, logits.shape[1]), dim=-1).values
+        assert ((top[:, :-1] - top[:, 1:]) >= ch08_moe._GAP).all()
 
 
 def test_top2_router_names_a_wrong_balance_loss_when_only_its_gradient_differs(monkeypatch):
     """Nearly equal logits for two experts make E·Σ Pᵢ² equal 1 to within 1e-4 (CI once drew such a case): the
     mistake must still be named, from the gradient."""
-    monkeypatch.setattr(ch08, "_router_cases", lambda rng: [(1, 2, 1e-3)])
-    fails(ch08.top2_router, lambda x: top2_route(x, f_from="probabilities"), match="gradient of a different loss: "
-          "fᵢ taken from the router probabilities", hint="a count")
+    monkeypatch.setattr(ch08_moe, "_cases", lambda rng: [(torch.tensor([[1e-3, -2e-4]]), 1.0)])
+    fails(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, f="probabilities"),
+          match="gradient of a different loss: fᵢ taken from the router probabilities", hint="a count")
 
 
 def test_top2_router_names_a_wrong_balance_loss_a_little_off_the_right_one(monkeypatch):
     """Router probabilities 0.006 apart put E·Σ Pᵢ² 3.6e-5 above the right loss: outside the tolerance, and named as
     that mistake (it was not while a variant within 1e-4 of the reference went unnamed: 1 call in 130 did)."""
-    monkeypatch.setattr(ch08, "_router_cases", lambda rng: [(1, 2, 0.0065)])
-    torch.manual_seed(0)  # the check draws logits [[0.0101, -0.0019]]
-    fails(ch08.top2_router, lambda x: top2_route(x, f_from="probabilities"),
+    monkeypatch.setattr(ch08_moe, "_cases", lambda rng: [(torch.tensor([[0.0101, -0.0019]]), 1.0)])
+    fails(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, f="probabilities"),
           match=r"balance_loss = 1\.0000\d+, expected 1: fᵢ taken from the router probabilities", hint="a count")
 
 
-# --- 8.3: LSQ -------------------------------------------------------------------------------------------------
+# --- 8.3: LSQ as an autograd Function ---------------------------------------------------------------------------
 
-def lsq(v, step, bits, g_from="N·Q_P", ste=True):
-    q_n, q_p = 2 ** (bits - 1), 2 ** (bits - 1) - 1
-    g = {"N·Q_P": 1 / math.sqrt(v.numel() * q_p), "none": 1.0, "N": 1 / math.sqrt(v.numel())}[g_from]
-    s = step * g + (step - step * g).detach()  # the value of step, g times its gradient
-    x = (v / s).clamp(-q_n, q_p)
-    q = (x.round() - x).detach() + x if ste else x.round()
-    return q * s
+def lsq_function(g_from="N·Q_P", inside_term="q − x", clipped=True, below=-1, sign=1, ste_clip=False, clamp=True,
+                 line="rounded", step_grad=True):
+    """The solution's LSQ Function, with a switch per mistake (`line="paper"`: clipped where v/s itself is beyond
+    the grid, LSQ's eq. 3, rather than its rounded value, PyTorch's: the check's inputs make the two agree)."""
+
+    class LSQ(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, v, step, q_n, q_p):
+            x = v / step
+            q = x.round().clamp(-q_n, q_p) if clamp else x.round()
+            ctx.save_for_backward(v, step)
+            ctx.q_n, ctx.q_p = q_n, q_p
+            return q * step
+
+        @staticmethod
+        def backward(ctx, grad):
+            v, step = ctx.saved_tensors
+            q_n, q_p = ctx.q_n, ctx.q_p
+            x = v / step
+            q = x.round()
+            edge = q if line == "rounded" else x
+            low, high = edge < -q_n, edge > q_p
+            inside = ~(low | high)
+            n = v.numel() / step.numel()
+            g = 1 / math.sqrt({"N·Q_P": n * q_p, "none": 1, "N": n, "Q_N": n * q_n, "whole": v.numel() * q_p}[g_from])
+            term = {"q − x": q - x, "zero": torch.zeros_like(x), "round": q}[inside_term]
+            ends = torch.where(low, below * q_n, q_p) if clipped else torch.zeros_like(x)
+            d_step = torch.where(inside, term, ends)
+            d_v = grad if ste_clip else grad * inside
+            return d_v, (sign * grad * d_step * g).sum_to_size(step.shape) if step_grad else None, None, None
+
+    return LSQ
 
 
-def test_lsq_inputs_avoid_ties_and_the_boundary_band():
+def lsq_init_step(v, q_p, ch_axis=None, absolute=True, eps=True):
+    """The solution's initial step, with switches for two mistakes."""
+    m = v.detach().abs() if absolute else v.detach()
+    if ch_axis is None:
+        mean = m.mean().reshape(1)  # (1,)
+    else:
+        mean = m.mean(dim=[d for d in range(v.dim()) if d != ch_axis % v.dim()], keepdim=True)
+    step = 2 * mean / math.sqrt(q_p)
+    return step.clamp(min=torch.finfo(torch.float32).eps) if eps else step
+
+
+class UnwrittenLSQ(torch.autograd.Function):
+    """The exercise notebook's LSQ: forward and backward are `raise NotImplementedError(...)`."""
+
+    @staticmethod
+    def forward(ctx, v, step, q_n, q_p):
+        raise NotImplementedError("Exercise 8.3: LSQ")
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("Exercise 8.3: LSQ")
+
+
+def test_lsq_is_not_attempted_at_once_with_either_part_unwritten(capsys):
+    start = time.perf_counter()
+    not_attempted(ch08.lsq, UnwrittenLSQ, unwritten, capsys=capsys)
+    not_attempted(ch08.lsq, UnwrittenLSQ, lsq_init_step, capsys=capsys)
+    not_attempted(ch08.lsq, lsq_function(), unwritten, capsys=capsys)
+    assert time.perf_counter() - start < 1
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("ch_axis", [None, 0, 1, -1])
+def test_lsq_inputs_avoid_ties_and_the_boundary_band(signed, ch_axis):
     for bits in (2, 4, 8):
-        v, step = ch08.lsq_inputs((64, 64), bits, seed=bits)
+        q_n, q_p = ch08_lsq._grid(bits, signed)
+        v, step = ch08.lsq_inputs((24, 6, 10), q_n, q_p, ch_axis, seed=bits)
+        assert step.shape == ch08_lsq._step_shape((24, 6, 10), ch_axis)
         t = v / step
-        q_n, q_p = 2 ** (bits - 1), 2 ** (bits - 1) - 1
         assert ((t - t.floor() - 0.5).abs() > 0.009).all()
         assert not ((t > q_p) & (t < q_p + 0.5)).any() and not ((t < -q_n) & (t > -q_n - 0.5)).any()
         assert ((t > q_p + 0.5) | (t < -q_n - 0.5)).any()  # something is clipped, at any bits
 
 
+def test_lsq_reference_is_pytorchs_learnable_fake_quantize():
+    """The check's reference, llmlab's LSQQuantizer, per tensor is PyTorch's own op with grad_factor g."""
+    v, step = ch08.lsq_inputs((31, 9), 8, 7, seed=1)
+    grad = torch.randn(v.shape)
+    out, v_grad, s_grad = ch08_lsq._reference(v, step, 4, True, None, grad)
+    v2, s2 = v.clone().requires_grad_(True), step.clone().requires_grad_(True)
+    want = torch._fake_quantize_learnable_per_tensor_affine(v2, s2, torch.zeros(1), -8, 7, 1 / math.sqrt(v.numel() * 7))
+    want.backward(grad)
+    assert torch.equal(out, want.detach()) and torch.equal(v_grad, v2.grad)
+    torch.testing.assert_close(s_grad, s2.grad, rtol=1e-5, atol=1e-6)  # the fp32 sum, in another order
+
+
 # --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
 
 ANSWERS = [
-    Reference(ch08.lora_linear, LoRA),
-    Reference(ch08.lora_linear, Merged),
-    Mistake(ch08.lora_linear, variant(init="both zero"), match="both all zeros .* never learns", hint="both zero"),
-    Mistake(ch08.lora_linear, variant(init="swapped"), match="lora_A is all zeros", hint="lora_B (out, r) to zero"),
-    Mistake(ch08.lora_linear, variant(init="both random"), match="lora_B is not zero at initialisation",
-            hint="set lora_B"),
-    Mistake(ch08.lora_linear, variant(scale="none"), match="not scaled: multiply BAx by α/r", hint="(α/r)"),
-    Mistake(ch08.lora_linear, variant(scale="alpha"), match="the scale is α; it is α/r", hint="(α/r)"),
-    Mistake(ch08.lora_linear, Unfrozen, match="base layer's weight or bias is trainable", hint="requires_grad_"),
-    Mistake(ch08.lora_linear, lambda base, r, alpha: base, match="self.lora_A is NoneType", hint="lora_A"),
+    Reference(ch08.lora_layer, lora()),
+    Reference(ch08.lora_layer, lora(init="gaussian", forward="folded", guard="ignore")),
+    Mistake(ch08.lora_layer, lora(init="both zero"), match="both all zeros .* never learns", hint="random"),
+    Mistake(ch08.lora_layer, lora(init="swapped"), match="lora_A is all zeros", hint="puts the zero in B"),
+    Mistake(ch08.lora_layer, lora(init="both random"), match="lora_B is not zero at initialisation",
+            hint="one of the two matrices is zero"),
+    Mistake(ch08.lora_layer, lora(scale="none"), match="the update is not scaled: multiply B·A by α/r", hint="α over"),
+    Mistake(ch08.lora_layer, lora(scale="alpha"), match="the scale is α; it is α/r", hint="α over the rank"),
+    Mistake(ch08.lora_layer, lora(like_base=False), match="lora_A is torch.float32, the base weight torch.float64",
+            hint="dtype"),
+    Mistake(ch08.lora_layer, Unfrozen, match="base layer's weight or bias is trainable", hint="requires_grad_"),
+    Mistake(ch08.lora_layer, Copied, match="does not hold the nn.Linear it was given", hint="frozen in place"),
+    Mistake(ch08.lora_layer, lora(fold="unscaled"), match="merge\\(\\) adds B·A to the base weight without its scale",
+            hint="scaled"),
+    Mistake(ch08.lora_layer, lora(skip_merged=False), match="adds the update twice", hint="skip the LoRA path"),
+    Mistake(ch08.lora_layer, lora(no_grad=False), match="in the autograd graph", hint="torch.no_grad"),
+    Mistake(ch08.lora_layer, lora(guard="none"), match="a second merge\\(\\) in a row changed the base weight",
+            hint="flag"),
+    Mistake(ch08.lora_layer, lora(unmerge_sign=1), match="unmerge\\(\\) adds ΔW again", hint="W − (α/r)·B·A"),
+    Mistake(ch08.lora_layer, lora(clears_flag=False), match="the forward still skips the LoRA path",
+            hint="clears the flag"),
+    Mistake(ch08.lora_layer, lambda base, r, alpha: base, match="self.lora_A is NoneType", hint="frozen Linear"),
 
     Reference(ch08.top2_router, top2_route),
-    Reference(ch08.top2_router, lambda x: tuple(top2_route(x.double()))),  # fp32 inside anyway
-    Mistake(ch08.top2_router, lambda x: top2_route(x, renormalise=False), match="gates are the raw probabilities",
-            hint="divided by their sum"),
-    Mistake(ch08.top2_router, lambda x: top2_route(x, f_from="probabilities"),
-            match="fᵢ taken from the router probabilities", hint="a count"),
-    Mistake(ch08.top2_router, lambda x: top2_route(x, f_from="first"), match="counts first choices only",
-            hint="both choices counted"),
+    Reference(ch08.top2_router, cumsum_route),
+    Reference(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, zero_dropped=True)),  # unused gates zeroed
+    Mistake(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, gates="raw"), match="gates are the raw probabilities",
+            hint="renormalised over the pair"),
+    Mistake(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, gates="after drop"),
+            match="renormalise before the drop, not after", hint="before capacity"),
     Mistake(ch08.top2_router, flipped, match="wrong order", hint="most probable first"),
-    Mistake(ch08.top2_router, lambda x: top2_route(x.detach()), match="no gradient w.r.t. the logits", hint="softmax"),
-    Mistake(ch08.top2_router, lambda x: top2_route(x)[:2], match="expected a triple", hint="softmax"),
+    Mistake(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, capacity="floor"), match="it rounds down",
+            hint="rounded up"),
+    Mistake(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, capacity="round"), match="rounds to the nearest",
+            hint="rounded up"),
+    Mistake(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, capacity="tokens"), match="it counts the T tokens",
+            hint="k = 2 per token"),
+    Mistake(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, capacity="none"), match="capacity = None, expected",
+            hint="rounded up"),
+    Mistake(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, drop=False),
+            match="capacity \\d+ per expert, .* is not applied", hint="rounded up"),
+    Mistake(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, priority="token-major"),
+            match="the slots go token by token|" + WITHIN, hint="every token's first choice, in token order"),
+    Mistake(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, priority="second first"),
+            match="second choices before first|" + WITHIN, hint="first come, first served"),
+    Mistake(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, priority="by probability"),
+            match="most probable assignments first|" + WITHIN, hint="first come, first served"),
+    Mistake(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, priority="per choice"),
+            match="a queue of `capacity` slots each|in one queue that first and second choices share",
+            hint="shared by"),
+    Mistake(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, grouped=False), match="kept must be grouped by expert",
+            hint="stable sort by expert"),
+    Mistake(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, f="probabilities"),
+            match="fᵢ taken from the router probabilities", hint="a count"),
+    Mistake(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, f="first"), match="counts first choices only",
+            hint="both choices of every token"),
+    Mistake(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, f="kept"), match="fᵢ counts the kept assignments",
+            hint="before any drop"),
+    Mistake(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, f="no N"), match="factor N .* is missing",
+            hint="number of experts"),
+    Mistake(ch08.top2_router, lambda x, cf: cumsum_route(x, cf, z="not squared"), match="z_loss = .*logsumexp",
+            hint="squared"),
+    Mistake(ch08.top2_router, lambda x, cf: top2_route(x.detach(), cf), match="no gradient w.r.t. the logits",
+            hint="autograd graph"),
+    Mistake(ch08.top2_router, lambda x, cf: (lambda r: (r.expert, r.gate, r.balance_loss))(top2_route(x, cf)),
+            match="returned tuple, with no field 'probs'", hint="capacity"),
 
-    Reference(ch08.lsq, lsq),
-    Mistake(ch08.lsq, lambda v, s, b: lsq(v, s, b, g_from="none"), match="gradient scale g = 1/√\\(N·Q_P\\) is missing",
-            hint="scale the step's gradient"),
-    Mistake(ch08.lsq, lambda v, s, b: lsq(v, s, b, g_from="N"), match="not 1/√N", hint="g = 1/√(N·Q_P)"),
-    Mistake(ch08.lsq, lambda v, s, b: lsq(v, s, b, ste=False), match="dL/dv is zero everywhere",
-            hint="straight through"),
-    Mistake(ch08.lsq, lambda v, s, b: (v / s).round() * s, match="not clipped", hint="clamp"),
-    Mistake(ch08.lsq, lambda v, s, b: lsq(v, s.detach(), b), match="step received no gradient", hint="g = 1/√(N·Q_P)"),
+    Reference(ch08.lsq, lsq_function(), lsq_init_step),
+    Reference(ch08.lsq, lsq_function(line="paper"), lsq_init_step),
+    Mistake(ch08.lsq, lsq_function(g_from="none"), lsq_init_step, match="gradient scale g = 1/√\\(N·Q_P\\) .* missing",
+            hint="square root of the number of values"),
+    Mistake(ch08.lsq, lsq_function(g_from="N"), lsq_init_step, match="not 1/√N", hint="positive end of the grid"),
+    Mistake(ch08.lsq, lsq_function(g_from="Q_N"), lsq_init_step, match="g takes Q_N", hint="positive end"),
+    Mistake(ch08.lsq, lsq_function(g_from="whole"), lsq_init_step, match="N counts all \\d+ elements",
+            hint="sharing that step"),
+    Mistake(ch08.lsq, lsq_function(sign=-1), lsq_init_step, match="its sign is flipped", hint="rounding error"),
+    Mistake(ch08.lsq, lsq_function(inside_term="zero"), lsq_init_step, match="round\\(v/s\\) − v/s is missing",
+            hint="naive STE"),
+    Mistake(ch08.lsq, lsq_function(inside_term="round"), lsq_init_step,
+            match="the term is round\\(v/s\\); it is round\\(v/s\\) − v/s", hint="rounding error"),
+    Mistake(ch08.lsq, lsq_function(clipped=False), lsq_init_step, match="clipped elements add 0", hint="Q_P above"),
+    Mistake(ch08.lsq, lsq_function(below=1), lsq_init_step, match="below the grid the term is \\+Q_N",
+            hint="−Q_N below"),
+    Mistake(ch08.lsq, lsq_function(ste_clip=True), lsq_init_step, match="passes the gradient where v was clipped",
+            hint="clamp keeps its own"),
+    Mistake(ch08.lsq, lsq_function(clamp=False), lsq_init_step, match="not clipped", hint="clamped"),
+    Mistake(ch08.lsq, lsq_function(step_grad=False), lsq_init_step, match="step received no gradient",
+            hint="one gradient per input"),
+    Mistake(ch08.lsq, lambda v, s, q_n, q_p: v, lsq_init_step, match="expected a subclass of torch.autograd.Function",
+            hint="static methods"),
+    Mistake(ch08.lsq, lsq_function(), lambda v, q_p, ch_axis=None: lsq_init_step(v, q_p, ch_axis, absolute=False),
+            match="the step comes from v's mean", hint="magnitude"),
+    Mistake(ch08.lsq, lsq_function(), lambda v, q_p, ch_axis=None: lsq_init_step(v, q_p, ch_axis, eps=False),
+            match="the zero row's step is 0", hint="eps"),
 ]
 
 
-@pytest.mark.parametrize("check", [ch08.lora_linear, ch08.top2_router, ch08.lsq])
-def test_an_unwritten_answer_is_not_attempted(check, capsys):
-    not_attempted(check, unwritten, capsys=capsys)
+def test_an_unwritten_router_is_not_attempted(capsys):
+    not_attempted(ch08.top2_router, unwritten, capsys=capsys)

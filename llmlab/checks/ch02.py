@@ -1,19 +1,21 @@
 """Checks for chapter 2's exercises (solutions/02_parallelism.ipynb): DDP's gradient averaging, Megatron's
-column-parallel linear layer (forward and backward), and the dynamic loss scaler's update rule.
+column-parallel linear layer (forward and backward), and the dynamic loss scaler's update rule; the 1F1B schedule
+(2.4) and bucketed DDP (2.5) have modules of their own, ch02_pipeline and ch02_ddp, imported here.
 
     from llmlab.checks import ch02 as check
     check.average_gradients(average_gradients)            # 2.1, on 4 ranks
     check.column_parallel_linear(column_parallel_linear)  # 2.2, on 4 ranks
     check.update_scale(update_scale)                      # 2.3, against torch.amp.GradScaler
     check.pipeline_1f1b(one_f_one_b, step_time)           # 2.4, against llmlab.parallel.schedules
+    check.bucketed_ddp(BucketedDDP)                       # 2.5, on 4 ranks, against llmlab.parallel.ddp
 
-The multi-rank checks (2.1, 2.2) run the learner's function — defined in a notebook, it travels to the ranks by
+The multi-rank checks (2.1, 2.2, 2.5) run the learner's function — defined in a notebook, it travels to the ranks by
 value with cloudpickle — on the ranks of one gloo `llmlab.dist.Cluster(4)`, started on first use, reused by every later
-check and closed when the interpreter exits. Every case keeps all four ranks busy, split into process groups:
-one group of 4, two groups of 2, a group of 3 next to a group of 1. So a function that ignores its `group`
-argument does not hang waiting for ranks that never come: it reduces over the wrong ranks, and the check says so.
-A `NotImplementedError` raised on the ranks comes back as a `RankError` that the checker base reports as "not
-attempted yet".
+check and closed when the interpreter exits (the cluster and its process groups are defined in `ch02_ddp`). Every
+case keeps all four ranks busy, split into process groups: one group of 4, two groups of 2, a group of 3 next to a
+group of 1. So a function that ignores its `group` argument does not hang waiting for ranks that never come: it
+reduces over the wrong ranks, and the check says so. A `NotImplementedError` raised on the ranks comes back as a
+`RankError` that the checker base reports as "not attempted yet".
 
 Inputs are fresh random ones on every run, in float64 for 2.2 (so the tolerance can be tight) and in float32 and
 float64 for 2.1; shapes include odd sizes and a 0-d tensor. When an answer matches a known mistake (the sum
@@ -28,40 +30,18 @@ import random
 import torch
 import torch.distributed as td
 
-from llmlab import checks, dist
+from llmlab import checks
 from llmlab.checks import Hint, Mismatch, assert_close, check, fresh_rng
+from llmlab.checks.ch02_ddp import PARTITIONS, TIMEOUT_S, WORLD_SIZE, bucketed_ddp, cluster, my_group
 from llmlab.checks.ch02_pipeline import pipeline_1f1b
 
-__all__ = ["average_gradients", "column_parallel_linear", "update_scale", "pipeline_1f1b", "cluster", "close_cluster",
-           "WORLD_SIZE", "PARTITIONS"]
-
-WORLD_SIZE = 4
-# the process groups the multi-rank checks run in: all four ranks take part in every case
-PARTITIONS = ((0, 1, 2, 3),), ((0, 1), (2, 3)), ((0, 1, 2), (3,))
-TIMEOUT_S = 60.0  # one call on the ranks; a correct answer takes milliseconds
-
-
-def cluster():
-    """The checks' Cluster of WORLD_SIZE ranks (shared with other chapters' checks; see checks.cluster)."""
-    return checks.cluster(WORLD_SIZE)
-
+__all__ = ["average_gradients", "column_parallel_linear", "update_scale", "pipeline_1f1b", "bucketed_ddp", "cluster",
+           "close_cluster", "WORLD_SIZE", "PARTITIONS"]
 
 close_cluster = checks.close_clusters
 
 
 # --- on the ranks -------------------------------------------------------------------------------------------
-
-_groups: dict = {}  # on a rank: partition -> (this rank's process group, the global ranks in it)
-
-
-def _my_group(partition):
-    """This rank's group of `partition`: one dist.Grid per part, built once per rank process by every rank."""
-    if partition not in _groups:
-        grids = [dist.Grid(dp=len(ranks), ranks=ranks) for ranks in partition]  # every part's, on every rank
-        mine = next(grid for grid in grids if grid.member)
-        _groups[partition] = (mine.dp_group, list(mine.dp_ranks))
-    return _groups[partition]
-
 
 def _gradients(shapes, dtype, seed: int, rank: int):
     """Rank `rank`'s gradients for one case of 2.1: a tensor per shape, N(0, 1), from (seed, rank)."""
@@ -71,7 +51,7 @@ def _gradients(shapes, dtype, seed: int, rank: int):
 
 
 def _average_on_rank(fn, partition, cases):
-    group, members = _my_group(partition)
+    group, members = my_group(partition)
     out = []
     for shapes, dtype, seed in cases:
         grads = _gradients(shapes, dtype, seed, td.get_rank())
@@ -93,7 +73,7 @@ def _column_inputs(case):
 
 
 def _column_on_rank(fn, partition, cases):
-    group, members = _my_group(partition)
+    group, members = my_group(partition)
     n, r = len(members), members.index(td.get_rank())
     out = []
     for case in cases:

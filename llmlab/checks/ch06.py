@@ -1,9 +1,11 @@
-"""Checks for chapter 6's exercises (solutions/06_tuning.ipynb): the LR schedule, clipping, and one whole update.
+"""Checks for chapter 6's exercises (solutions/06_tuning.ipynb): the LR schedule, clipping, one whole update, and a
+training monitor's update/weight ratio.
 
     from llmlab.checks import ch06 as check
     check.lr_at(lr_at)                          # 6.1: (step, peak_lr, warmup, total, min_lr) -> the LR of update step
     check.clip_grad_norm(clip_grad_norm)        # 6.2: (parameters, max_norm) -> the norm before clipping
     check.scaled_step(scaled_step)              # 6.3: (model, optimizer, scaler, loss_fn, batches, max_norm) -> stepped
+    check.update_monitor(UpdateMonitor)         # 6.4: a monitor class -> its update/weight ratios (ch06_monitor)
 
 **6.1** compares with `llmlab.train.schedule.warmup_cosine_lr` at every update of fresh random runs and of the
 edge cases: no warmup, warmup = total, warmup = total − 1 (nothing left to decay over), min_lr = 0 and = peak_lr,
@@ -28,6 +30,8 @@ scaled in place or not changed at all, and a generator iterated twice.
 unclipped, stale gradients in `.grad`, and a micro-batch holding a NaN (the step is skipped, the scale backs off).
 It names clipping the still-scaled gradients, never unscaling, the missing 1/k, stale gradients added in, a step on
 non-finite gradients, and a scale never updated.
+
+**6.4** is in `llmlab.checks.ch06_monitor` (its docstring says what it runs and names).
 """
 
 from __future__ import annotations
@@ -40,12 +44,13 @@ import torch
 from llmlab.accumulate import accumulate_gradients
 from llmlab.checks import Hint, Mismatch, assert_close, check, fresh_rng
 from llmlab.checks.ch04 import accumulation_case, micro_batch_mse
+from llmlab.checks.ch06_monitor import update_monitor
 from llmlab.precision import DynamicLossScaler
 from llmlab.train.clip import clip_grad_norm as clip
 from llmlab.train.clip import grad_norm
 from llmlab.train.schedule import warmup_cosine_lr
 
-__all__ = ["lr_at", "clip_grad_norm", "scaled_step"]
+__all__ = ["lr_at", "clip_grad_norm", "scaled_step", "update_monitor"]
 
 _EPS = 1e-6  # torch's guard in the clipping coefficient max_norm / (norm + 1e-6)
 
