@@ -4,12 +4,13 @@ answer as not attempted, and fails a plausible wrong answer with a message namin
 
 import llmlab.kernels  # noqa: F401  (first: interpreted Triton on the CPU tier, before any kernel below)
 import pytest
+import torch
 import triton
 import triton.language as tl
 from check_answers import Mistake, Reference
 from grading import not_attempted
 
-from llmlab.checks import ch01
+from llmlab.checks import ch01, ch01_gemm
 
 
 def unwritten(*args):
@@ -48,16 +49,32 @@ def flipped(*args):
 @triton.jit
 def _kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-            MASK_K: tl.constexpr, ADVANCE: tl.constexpr, ACCUMULATE: tl.constexpr):
-    """The exercise's kernel with switches for the three classic mistakes (all True: the right answer)."""
-    pid_m = tl.program_id(axis=0)
-    pid_n = tl.program_id(axis=1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            PIDS: tl.constexpr, OFFSETS: tl.constexpr, STRIDES: tl.constexpr, MASK_K: tl.constexpr,
+            ACC_FP32: tl.constexpr, ACCUMULATE: tl.constexpr, ADVANCE: tl.constexpr, MASK_STORE: tl.constexpr):
+    """The exercise's kernel with a switch for each planted mistake (the defaults of `Variant`: the right answer)."""
+    if PIDS == "swapped":
+        pid_m, pid_n = tl.program_id(axis=1), tl.program_id(axis=0)
+    else:
+        pid_m, pid_n = tl.program_id(axis=0), tl.program_id(axis=1)
+    if STRIDES == "contiguous":  # every matrix assumed row-major and dense
+        stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn = K, 1, N, 1, N, 1
+    elif STRIDES == "swapped A":
+        stride_am, stride_ak = stride_ak, stride_am
+    if OFFSETS == "blocks mixed up":
+        offs_m = pid_m * BLOCK_N + tl.arange(0, BLOCK_M)
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if STRIDES == "swapped B pointers":  # the pair swapped where the pointers are made, not where they advance
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bn + offs_n[None, :] * stride_bk
+    else:
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    if ACC_FP32:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:  # the input dtype: tl.dot then accumulates in it
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if MASK_K:
             k_left = K - k * BLOCK_K
@@ -70,18 +87,25 @@ def _kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, strid
             acc = tl.dot(a, b, acc)
         else:
             acc = tl.dot(a, b)
-        if ADVANCE:
+        if ADVANCE == "rows":  # A's pointers moved BLOCK_K rows down instead of BLOCK_K columns right
+            a_ptrs += BLOCK_K * stride_am
+            b_ptrs += BLOCK_K * stride_bk
+        elif ADVANCE:
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    if MASK_STORE:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty))
 
 
 class Variant:
     """`_kernel` launched with its mistake switches set, looking to the check like a learner's kernel."""
 
     def __init__(self, **switches):
-        self.switches = dict(MASK_K=True, ADVANCE=True, ACCUMULATE=True) | switches
+        self.switches = dict(PIDS="right", OFFSETS="right", STRIDES="right", MASK_K=True, ACC_FP32=True,
+                             ACCUMULATE=True, ADVANCE=True, MASK_STORE=True) | switches
         self.fn = _kernel.fn
 
     def __getitem__(self, grid):
@@ -91,15 +115,40 @@ class Variant:
 @triton.jit
 def _unwritten_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm,
                       stride_cn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    for _k in range(0, tl.cdiv(K, BLOCK_K)):
-        raise NotImplementedError("Exercise 1.3: The Triton GEMM's K loop")
+    raise NotImplementedError("Exercise 1.3: A tiled Triton GEMM")
 
 
-def test_k_loop_shapes_cover_the_edges():
-    shapes = ch01.k_loop_shapes()
-    block_k = ch01.K_LOOP_BLOCKS["BLOCK_K"]
-    assert (1, 1, 1) in shapes and any(K % block_k == 0 for _, _, K in shapes)
-    assert sum(K % block_k != 0 and K > block_k for _, _, K in shapes) >= 2  # partial last block after whole ones
+def test_the_cases_cover_the_edges():
+    shapes = ch01_gemm.cases()
+    assert shapes[0].M == shapes[0].N == shapes[0].K == 1  # a partial tile in every dimension
+    for case in shapes:
+        grid_m, grid_n = -(-case.M // case.blocks[0]), -(-case.N // case.blocks[1])
+        if case.K % case.blocks[2] == 0 and grid_m != grid_n:
+            break
+    else:
+        raise AssertionError("no case of whole K blocks on a non-square grid (swapped program ids show there)")
+    assert sum(c.K % c.blocks[2] != 0 and c.K > c.blocks[2] for c in shapes) >= 3  # partial last K block after whole
+    assert any(c.column_major for c in shapes) and any(c.integer for c in shapes)
+    assert {c.dtype for c in shapes} == {torch.float32, torch.float16}
+
+
+def test_the_integer_case_is_exact_in_fp32_and_zero_with_an_fp16_accumulator():
+    case = next(c for c in ch01_gemm.cases() if c.integer)
+    a, b = ch01_gemm._integer_operands(case, torch.Generator().manual_seed(0))
+    middle = (case.K - 1) // 16 - 1
+    assert torch.equal(a.float() @ b.float(), torch.full((case.M, case.N), float(middle)))
+    acc = torch.zeros(case.M, case.N, dtype=torch.float16)
+    for start in range(0, case.K, 16):
+        acc = acc + (a[:, start:start + 16] @ b[start:start + 16]).half()  # (M, N), rounded to fp16 each step
+    assert not acc.any()
+
+
+def test_launch_runs_a_kernel_on_any_strides():
+    a, b = torch.randn(40, 23).t(), torch.randn(40, 20)[:, ::2]  # (23, 40) column-major, (40, 10) every other column
+    c = ch01.launch(Variant(), a, b, BLOCK_M=16, BLOCK_N=32, BLOCK_K=16)
+    torch.testing.assert_close(c, a @ b)
+    with pytest.raises(ValueError, match="a.shape\\[1\\] == b.shape\\[0\\]"):
+        ch01.launch(Variant(), a, a)
 
 
 # --- 1.4 ----------------------------------------------------------------------------------------------------
@@ -124,13 +173,32 @@ ANSWERS = [
     Mistake(ch01.gemm_roofline, flipped, match="bound '(memory|compute)', expected", hint="ridge point"),
     Mistake(ch01.gemm_roofline, lambda *args: gemm_roofline(*args)[0], match="expected a pair", hint="ridge point"),
 
-    Reference(ch01.gemm_k_loop, Variant()),
-    # K = 1 (the first shape) is not a multiple of BLOCK_K: the unmasked loads read the NaN around A and B
-    Mistake(ch01.gemm_k_loop, Variant(MASK_K=False), match="values are NaN.*not a multiple of BLOCK_K",
-            hint="the K edge offs_k < K - k·BLOCK_K"),
-    Mistake(ch01.gemm_k_loop, Variant(ADVANCE=False), match="never advanced along K", hint="advance a_ptrs"),
-    Mistake(ch01.gemm_k_loop, Variant(ACCUMULATE=False), match="overwritten instead of accumulated",
+    Reference(ch01.tiled_gemm, Variant()),
+    # K = 1 (the first case) is not a multiple of BLOCK_K: the unmasked loads read the NaN around A and B
+    Mistake(ch01.tiled_gemm, Variant(MASK_K=False), match="every value of C is NaN .* not a multiple of BLOCK_K",
+            hint="mask both loads along K"),
+    # the first case's 1×1 C is one corner of a 16×16 tile: the rest of the tile lands around it
+    Mistake(ch01.tiled_gemm, Variant(MASK_STORE=False), match="written outside C's 1×1",
+            hint="mask=(offs_m[:, None] < M) & (offs_n[None, :] < N)"),
+    Mistake(ch01.tiled_gemm, Variant(STRIDES="swapped A"), match="C is what A read with its two strides swapped gives",
+            hint="never with the pair swapped"),
+    Mistake(ch01.tiled_gemm, Variant(STRIDES="contiguous"),
+            match="A 32×32, B 32×16.* NaN, though every tile is whole here.*the addresses are off",
+            hint="never at i·K + j"),
+    Mistake(ch01.tiled_gemm, Variant(STRIDES="swapped B pointers"),
+            match="C is what B read with its two strides swapped", hint="never with the pair swapped"),
+    Mistake(ch01.tiled_gemm, Variant(ADVANCE=False), match="never advanced along K", hint="a_ptrs += BLOCK_K"),
+    Mistake(ch01.tiled_gemm, Variant(ADVANCE="rows"), match="A's pointers advanced by BLOCK_K·stride_am",
+            hint="a_ptrs += BLOCK_K * stride_ak"),
+    Mistake(ch01.tiled_gemm, Variant(ACCUMULATE=False), match="overwritten instead of accumulated",
             hint="acc = tl.dot(a, b, acc)"),
+    Mistake(ch01.tiled_gemm, Variant(ACC_FP32=False), match="exactly what an fp16 accumulator gives",
+            hint="dtype of your accumulator"),
+    Mistake(ch01.tiled_gemm, Variant(PIDS="swapped"), match="program_id\\(axis=0\\) was taken for the columns",
+            hint="i = program_id(axis=0)"),
+    # the ragged case has BLOCK_M = 16 < BLOCK_N and M > 16: program 1's rows start at BLOCK_N, rows 16… stay NaN
+    Mistake(ch01.tiled_gemm, Variant(OFFSETS="blocks mixed up"), match="step by the other block size",
+            hint="offs_m = pid_m * BLOCK_M"),
 
     Reference(ch01.implied_mfu, implied_mfu),
     Mistake(ch01.implied_mfu, lambda *args: implied_mfu(*args) / 3, match="forward pass only", hint="6·N·D"),
@@ -141,6 +209,6 @@ ANSWERS = [
 
 
 @pytest.mark.parametrize("check, answer", [(ch01.block_flops, unwritten), (ch01.gemm_roofline, unwritten),
-                                           (ch01.gemm_k_loop, _unwritten_kernel), (ch01.implied_mfu, unwritten)])
+                                           (ch01.tiled_gemm, _unwritten_kernel), (ch01.implied_mfu, unwritten)])
 def test_an_unwritten_answer_is_not_attempted(check, answer, capsys):
     not_attempted(check, answer, capsys=capsys)

@@ -8,6 +8,7 @@ test_exercises_grade.py, on the same fixture.
 
 import functools
 import importlib
+import re
 import shutil
 import subprocess
 import sys
@@ -161,6 +162,25 @@ def test_the_repository_exercises_are_built_from_its_solutions():
     """What CI checks first: exercises/ is what `llmlab exercises build` writes from solutions/ (a change made in
     both by hand, e.g. a renamed import, leaves the recorded source hash stale)."""
     assert notebooks.check(Path(__file__).resolve().parent.parent) == []
+
+
+def test_every_chapter_has_three_exercises_one_a_build_and_each_says_its_time():
+    """Issue 28: in every chapter ≥ 3 exercises, ≥ 1 of them a build exercise (20–80 reference lines: the learner
+    writes the core of the technique), and every exercise states an estimated time ("*About N minutes.*")."""
+    root = Path(__file__).resolve().parent.parent
+    solutions = sorted((root / "solutions").glob("[0-9][0-9]_*.ipynb"))
+    assert len(solutions) == 8
+    for path in solutions:
+        nb = notebooks.read_notebook(path)
+        exercises = {e.id: e for e in notebooks.cell_exercises(nb) if e is not None}
+        lines = notebooks.reference_lines(nb)
+        assert len(exercises) >= 3, path.name
+        assert max(lines.values()) >= 20, (path.name, lines)
+        assert max(lines.values()) <= 80, (path.name, lines)
+        for exercise in exercises.values():
+            text = nb.cells[exercise.cell].source
+            heading = text[text.index(f"Exercise {exercise.id}"):]  # its own part of the cell, not the section's
+            assert re.search(r"About \d+(–\d+)? minutes\.", heading), (path.name, exercise.id)
 
 
 def test_reference_lines_count_code_inside_solution_regions_only():

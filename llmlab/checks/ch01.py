@@ -1,9 +1,9 @@
-"""Checks for chapter 1's exercises (solutions/01_compute.ipynb): FLOPs, the roofline, a Triton K loop, MFU.
+"""Checks for chapter 1's exercises (solutions/01_compute.ipynb): FLOPs, the roofline, a tiled Triton GEMM, MFU.
 
     from llmlab.checks import ch01 as check
     check.block_flops(block_flops)              # 1.1
     check.gemm_roofline(gemm_roofline)          # 1.2
-    check.gemm_k_loop(matmul_kernel)            # 1.3 (a @triton.jit kernel, launched here)
+    check.tiled_gemm(matmul_kernel)             # 1.3 (a @triton.jit kernel, launched here; ch01_gemm)
     check.implied_mfu(implied_mfu)              # 1.4
 
 Each check compares the learner's answer with llmlab's own (llmlab.flops, llmlab.hardware.roofline,
@@ -13,21 +13,16 @@ matches a known mistake (no attention T² terms, 1 byte per element, forward-onl
 
 from __future__ import annotations
 
-import ast
-import inspect
 import math
 import random
-import textwrap
 
-import torch
-import triton
-
-from llmlab import flops, runtime
-from llmlab.checks import Hint, Mismatch, assert_close, check, fresh_rng, number
+from llmlab import flops
+from llmlab.checks import Hint, Mismatch, check, fresh_rng, number
+from llmlab.checks.ch01_gemm import BLOCKS, launch, tiled_gemm
 from llmlab.hardware import SPECS, roofline
 from llmlab.model import GPTConfig
 
-__all__ = ["block_flops", "gemm_roofline", "gemm_k_loop", "implied_mfu", "K_LOOP_BLOCKS", "k_loop_shapes"]
+__all__ = ["block_flops", "gemm_roofline", "tiled_gemm", "launch", "BLOCKS", "implied_mfu"]
 
 
 def _close(got: float, want: float, rel: float = 1e-9) -> bool:
@@ -132,159 +127,6 @@ def gemm_roofline(fn):
             ridge = roofline.ridge_point(peak, bandwidth)
             raise Mismatch(f"{what}: bound {bound!r}, expected {want_bound!r} (intensity {want:.4g} FLOP/B, "
                            f"ridge point {ridge:.4g} FLOP/B); return exactly 'memory' or 'compute'")
-
-
-# --- 1.3: the Triton GEMM's K loop ----------------------------------------------------------------------------
-
-K_LOOP_BLOCKS = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16)  # tl.dot needs every tile dimension >= 16 on a GPU
-
-
-def k_loop_shapes() -> list[tuple[int, int, int]]:
-    """(M, N, K) shapes the K-loop check runs: the edge cases, then fresh random odd ones."""
-    rng = fresh_rng()
-    shapes = [(1, 1, 1),  # a single partial tile in every dimension
-              (32, 32, 32),  # whole tiles only: what a loop without masks gets right
-              (17, 33, 65),  # K = 4 whole blocks + 1: the last K block holds one column
-              (64, 5, 130)]  # K = 8 blocks + 2, a narrow N
-    shapes.append((rng.randint(2, 40), rng.randint(2, 40), rng.choice([17, 31, 47, 63, 79])))
-    return shapes
-
-
-def _placeholder_left(kernel) -> bool:
-    """Does the kernel still contain the exercise's `raise NotImplementedError(...)`?
-
-    Under the interpreter that raise would surface as an error from the launch; compiled Triton cannot even
-    compile a `raise`. So the check reads the kernel's source first and reports "not attempted yet" itself.
-    """
-    fn = getattr(kernel, "fn", kernel)
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return False
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Raise) and node.exc is not None:
-            exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
-            if isinstance(exc, ast.Name) and exc.id == "NotImplementedError":
-                return True
-    return False
-
-
-def _poisoned(rows: int, cols: int, pad: int, dtype, device, transposed: bool = False):
-    """A (rows, cols) view into a larger NaN-filled buffer, holding values uniform in [-1, 1).
-
-    A load that reads past the matrix's edge (a missing mask) reads NaN rather than another tensor's memory, so
-    the answer turns NaN instead of silently wrong or crashing. `transposed` gives column-major strides.
-    """
-
-    shape = (cols + pad, rows + pad) if transposed else (rows + pad, cols + pad)
-    buf = torch.full(shape, float("nan"), dtype=dtype, device=device)
-    view = buf[:cols, :rows].T if transposed else buf[:rows, :cols]
-    view.copy_(torch.rand(rows, cols, device=device) * 2 - 1)
-    return view
-
-
-def _tolerances(dtype, K: int) -> tuple[float, float]:
-    """(rtol, atol) between the kernel's C and torch.matmul's, both summing K products of values in [-1, 1).
-
-    Both accumulate in fp32, in different orders: each sum's rounding error is at most K·u·Σ|aᵢbᵢ| ≤ K²·u
-    (u = 2⁻²⁴, |aᵢbᵢ| ≤ 1), so the two differ by at most 2·K²·u (atol). fp16 output rounds each to fp16 once
-    more: at most half an fp16 unit in the last place (2⁻¹¹ relative) each, one unit between them (rtol 2⁻¹⁰,
-    doubled for slack). Compiled Triton multiplies fp32 tiles as TF32 by default (10-bit mantissas, u = 2⁻¹¹),
-    so on a GPU fp32 products may differ by 2·2⁻¹¹ each: atol 2⁻¹⁰·K. A real bug (a missed block, a wrong
-    mask, an unadvanced pointer) is off by O(1) or NaN, far outside all of these.
-    """
-
-    atol = 2 * K * K * 2.0**-24
-    if dtype == torch.float16:
-        return 2.0**-9, atol + 2.0**-24  # + the smallest fp16 subnormal, for results that round to 0
-    if not runtime.triton_interpreted():
-        atol += 2.0**-10 * K
-    return 0.0, atol
-
-
-def _launch(kernel, a, b, c) -> None:
-    M, K = a.shape
-    N = b.shape[1]
-    bm, bn = K_LOOP_BLOCKS["BLOCK_M"], K_LOOP_BLOCKS["BLOCK_N"]
-    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-    try:
-        kernel[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-                     **K_LOOP_BLOCKS)
-    except Exception as e:  # the interpreter wraps the kernel's own error: report that one
-        if type(e).__name__ == "InterpreterError" and e.__cause__ is not None:
-            raise e.__cause__ from None
-        raise
-
-
-@check("1.3", "the Triton GEMM's K loop", hint=Hint(
-    nudge="look at the loads inside your K loop: which edge of which tile can run past the matrix, and is it "
-          "masked?",
-    idea="every step loads one tile of A and one of B, each masked on all its edges — the K edge too, since the "
-         "last K block is partial — accumulates their product, and moves both pointers one block along K",
-    formula="in each step load the (BLOCK_M, BLOCK_K) tile of A and the (BLOCK_K, BLOCK_N) tile of B with masks on "
-            "every edge — rows offs_m < M, columns offs_n < N, AND the K edge offs_k < K - k·BLOCK_K (the last K "
-            "block is partial when K is not a multiple of BLOCK_K) — with other=0.0; accumulate acc = tl.dot(a, b, "
-            "acc) (or acc += tl.dot(a, b)); then advance a_ptrs by BLOCK_K·stride_ak and b_ptrs by BLOCK_K·stride_bk"))
-def gemm_k_loop(kernel):
-    """`kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
-    BLOCK_M, BLOCK_N, BLOCK_K)`: one program per (BLOCK_M, BLOCK_N) tile of C on a 2-D grid."""
-
-    import llmlab.kernels  # noqa: F401  (interpreted Triton on the CPU tier, before anything is launched)
-
-    if _placeholder_left(kernel):
-        raise NotImplementedError("Exercise 1.3")
-    device = runtime.device()
-    pad = max(K_LOOP_BLOCKS.values())
-    cases = [(shape, dtype, False) for shape in k_loop_shapes() for dtype in (torch.float32, torch.float16)]
-    cases.append(((23, 19, 37), torch.float32, True))  # A and B column-major: the strides must be used
-    for (M, N, K), dtype, transposed in cases:
-        a = _poisoned(M, K, pad, dtype, device, transposed)  # (M, K)
-        b = _poisoned(K, N, pad, dtype, device, transposed)  # (K, N)
-        c = torch.full((M, N), float("nan"), dtype=dtype, device=device)  # an unwritten tile stays NaN
-        _launch(kernel, a, b, c)
-        want = (a.float() @ b.float()).to(dtype)  # fp32 products and sums, one rounding to the output dtype
-        what = (f"C = A @ B with A {M}×{K}, B {K}×{N}, {str(dtype).removeprefix('torch.')}"
-                f"{', column-major A and B' if transposed else ''} (BLOCK_K={K_LOOP_BLOCKS['BLOCK_K']})")
-        nan = torch.isnan(c)
-        if nan.any():
-            rows, cols = nan.any(1).nonzero().flatten().tolist(), nan.any(0).nonzero().flatten().tolist()
-            raise Mismatch(f"{what}: {int(nan.sum())} of {c.numel()} values are NaN (rows {rows[:3]}…, columns "
-                           f"{cols[:3]}…): a load read outside A or B, which are surrounded by NaN here — "
-                           f"{_missing_mask(M, N, K)}")
-        rtol, atol = _tolerances(dtype, K)
-        try:
-            assert_close(c, want, what=what, rtol=rtol, atol=atol)
-        except Mismatch as e:
-            several = K > K_LOOP_BLOCKS["BLOCK_K"]
-            if several and torch.allclose(c.float(), _unadvanced(a, b), rtol=1e-2, atol=1e-2):
-                raise Mismatch(f"{e}: C is what re-reading the first K block in every step gives: a_ptrs and "
-                               "b_ptrs are never advanced along K") from None
-            if several and torch.allclose(c.float(), _last_block(a, b), rtol=1e-2, atol=1e-2):
-                raise Mismatch(f"{e}: C is only the last K block's product: acc is overwritten instead of "
-                               "accumulated") from None
-            raise
-
-
-def _missing_mask(M: int, N: int, K: int) -> str:
-    bk = K_LOOP_BLOCKS["BLOCK_K"]
-    if K % bk:
-        return (f"K={K} is not a multiple of BLOCK_K={bk}, so the last K block has only {K % bk} valid "
-                "column(s) of A and row(s) of B: mask offs_k < K - k·BLOCK_K in both loads")
-    return f"mask the rows of A (offs_m < M={M}) and the columns of B (offs_n < N={N})"
-
-
-def _unadvanced(a, b):
-    """C of a K loop whose pointers stay on the first block: step s adds that block, masked to K - s·BLOCK_K."""
-    bk, K = K_LOOP_BLOCKS["BLOCK_K"], a.shape[1]
-    widths = [min(bk, K - start) for start in range(0, K, bk)]
-    return sum(a[:, :w].float() @ b[:w].float() for w in widths)
-
-
-def _last_block(a, b):
-    """C of a K loop that overwrites the accumulator: only the last K block's product survives."""
-    bk = K_LOOP_BLOCKS["BLOCK_K"]
-    start = (a.shape[1] - 1) // bk * bk
-    return a[:, start:].float() @ b[start:].float()
 
 
 # --- 1.4: the MFU a training run implies ----------------------------------------------------------------------
