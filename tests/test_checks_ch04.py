@@ -19,7 +19,7 @@ from check_answers import Mistake, Reference
 from grading import fails, not_attempted, passes
 
 from llmlab import checks
-from llmlab.checks import ch04, ch04_tree
+from llmlab.checks import ch04
 from llmlab.dist import cost
 from llmlab.dist.commlog import exchange
 
@@ -262,28 +262,28 @@ ANSWERS = [
     Mistake(ch04.ring_all_reduce, lambda t, g=None, op="sum": None,
             match="your function returned NoneType, expected the tensor it was given", hint="return tensor"),
 
-    Reference(ch04_tree.tree_all_reduce, tree_all_reduce),
-    Mistake(ch04_tree.tree_all_reduce, partial(tree_all_reduce, broadcast=False),
+    Reference(ch04.tree_all_reduce, tree_all_reduce),
+    Mistake(ch04.tree_all_reduce, partial(tree_all_reduce, broadcast=False),
             match=r"rank 1's result holds the sum over its subtree \(ranks 1(, 3)?\) only: .* the broadcast "
                   "from the root is missing", hint="copies the root's result down the same tree"),
-    Mistake(ch04_tree.tree_all_reduce, partial(tree_all_reduce, keep_own=False),
+    Mistake(ch04.tree_all_reduce, partial(tree_all_reduce, keep_own=False),
             match=r"rank 0's result: element 0 misses the shares of ranks 0(, 1)?, each a rank with children",
             hint="receive each child's partial sum into a new buffer"),
-    Mistake(ch04_tree.tree_all_reduce, partial(tree_all_reduce, segmented=False),
+    Mistake(ch04.tree_all_reduce, partial(tree_all_reduce, segmented=False),
             match=r"segments=\d.* is right, but rank \d sent \d messages, not \d+: .*the whole tensor went in one "
                   "message",
             hint="one message each"),
-    Mistake(ch04_tree.tree_all_reduce, lambda t, g=None, op="sum", segments=1: all_reduce(t, g, op),
+    Mistake(ch04.tree_all_reduce, lambda t, g=None, op="sum", segments=1: all_reduce(t, g, op),
             match=r"is right, but rank \d (exchanged messages with rank \d: in the tree its neighbours are|sent \d "
                   r"messages, not \d)", hint="(r−1)//2"),
-    Mistake(ch04_tree.tree_all_reduce, partial(tree_all_reduce, copy=True),
+    Mistake(ch04.tree_all_reduce, partial(tree_all_reduce, copy=True),
             match="is a new tensor, not the one your function was given", hint="works in place"),
-    Mistake(ch04_tree.tree_all_reduce, lambda t, g=None, op="sum", segments=1: tree_all_reduce(t, g, "sum", segments),
+    Mistake(ch04.tree_all_reduce, lambda t, g=None, op="sum", segments=1: tree_all_reduce(t, g, "sum", segments),
             match=r"op='avg'.* is the sum over ranks, not the average", hint="at the root, after the reduce"),
 ]
 
 
 @pytest.mark.parametrize("check", [ch04.ring_reduce_scatter, ch04.ring_all_gather, ch04.accumulate, ch04.ring_time,
-                                   ch04.ring_all_reduce, ch04_tree.tree_all_reduce])
+                                   ch04.ring_all_reduce, ch04.tree_all_reduce])
 def test_an_unwritten_answer_is_not_attempted(check, capsys):
     not_attempted(check, unwritten, capsys=capsys)
