@@ -14,7 +14,9 @@ communication is two conjugate functions (the paper's Figure 3):
     f: forward identity,   backward all-reduce      (`copy_to_parallel`, before a column-parallel layer)
     g: forward all-reduce, backward identity        (`reduce_from_parallel`, after a row-parallel layer)
 
-so a transformer block costs exactly two all-reduces forward and two backward.
+so a transformer block costs exactly two all-reduces forward and two backward. With `sequence_parallel=True`
+(`llmlab.parallel.sequence`, Korthikanti et al. 2022) f becomes an all-gather along the sequence and g a
+reduce-scatter along it, and everything between the tensor-parallel regions holds only this rank's T/N tokens.
 
 The course text's `ColumnParallelLinear` snippet (§2.2) allocates the full (output_size, input_size) weight,
 never calls `super().__init__()` and has no forward: nothing is split and nothing communicates. Here
@@ -35,6 +37,7 @@ import torch.distributed as td
 import torch.nn.functional as F
 
 from llmlab.model import causal_attention, split_heads
+from llmlab.parallel.sequence import gathered_linear, reduce_scatter_sequence
 
 __all__ = ["copy_to_parallel", "reduce_from_parallel", "gather_from_parallel", "scatter_to_parallel",
            "ColumnParallelLinear", "RowParallelLinear", "ParallelMLP", "ParallelSelfAttention", "ParallelBlock"]
@@ -138,9 +141,12 @@ class ColumnParallelLinear(torch.nn.Module):
     """Y = X·Aᵀ + b with A split by output rows: this rank holds (out_features/N, in_features) of it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 group=None):
+                 group=None, sequence_parallel: bool = False):
         super().__init__()
-        self.group, self.gather_output = group, gather_output
+        if gather_output and sequence_parallel:
+            raise ValueError("gather_output=True with sequence_parallel=True: a sequence-parallel layer's output "
+                             "feeds a row-parallel layer, which reduce-scatters it; gather it there, not here")
+        self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         local = _shard_size("out_features", out_features, group)
         self.weight = torch.nn.Parameter(torch.empty(local, in_features))
@@ -148,13 +154,17 @@ class ColumnParallelLinear(torch.nn.Module):
         torch.nn.init.normal_(self.weight, std=0.02)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, group=None, gather_output: bool = False, rows=None):
+    def from_linear(cls, linear: torch.nn.Linear, group=None, gather_output: bool = False, rows=None,
+                    sequence_parallel: bool = False):
         """This rank's shard of `linear` (`rows`: which output rows it gets; default the r-th block)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output, group)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, gather_output, group,
+                    sequence_parallel)
         rows = _block(layer.weight.shape[0], group) if rows is None else rows
         return _load(layer, linear.weight[rows], None if linear.bias is None else linear.bias[rows])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:  # x: (B, T/N, in), this rank's tokens; g gathers them to (B, T, in)
+            return gathered_linear(x, self.weight, self.bias, self.group)  # (B, T, out/N)
         x = copy_to_parallel(x, self.group)  # (..., in): f — gradients from all ranks are summed backward
         y = F.linear(x, self.weight, self.bias)  # (..., out/N)
         return gather_from_parallel(y, self.group) if self.gather_output else y
@@ -164,9 +174,9 @@ class RowParallelLinear(torch.nn.Module):
     """Y = X·Aᵀ + b with A split by input columns: this rank holds (out_features, in_features/N) of it."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
-                 group=None):
+                 group=None, sequence_parallel: bool = False):
         super().__init__()
-        self.group, self.input_is_parallel = group, input_is_parallel
+        self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, sequence_parallel
         self.in_features, self.out_features = in_features, out_features
         local = _shard_size("in_features", in_features, group)
         self.weight = torch.nn.Parameter(torch.empty(out_features, local))
@@ -174,62 +184,90 @@ class RowParallelLinear(torch.nn.Module):
         torch.nn.init.normal_(self.weight, std=0.02)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, group=None, input_is_parallel: bool = True, cols=None):
+    def from_linear(cls, linear: torch.nn.Linear, group=None, input_is_parallel: bool = True, cols=None,
+                    sequence_parallel: bool = False):
         """This rank's shard of `linear` (`cols`: which input columns it gets; default the r-th block)."""
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel, group)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, input_is_parallel, group,
+                    sequence_parallel)
         cols = _block(layer.weight.shape[1], group) if cols is None else cols
         return _load(layer, linear.weight[:, cols], linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_parallel(x, self.group)  # (..., in/N)
-        y = reduce_from_parallel(F.linear(x, self.weight), self.group)  # (..., out): g — summed over ranks
+        y = F.linear(x, self.weight)  # (..., out): this rank's partial sum
+        if self.sequence_parallel:
+            y = reduce_scatter_sequence(y, self.group)  # (B, T/N, out): ḡ — this rank's tokens of the sum
+        else:
+            y = reduce_from_parallel(y, self.group)  # (..., out): g — summed over ranks
         return y + self.bias if self.bias is not None else y
 
 
 class ParallelMLP(torch.nn.Module):
     """Megatron's MLP: column-parallel c_fc → GELU on this rank's 4C/N slice → row-parallel c_proj."""
 
-    def __init__(self, mlp, group=None):
+    def __init__(self, mlp, group=None, sequence_parallel: bool = False):
         super().__init__()
-        self.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, group)
-        self.c_proj = RowParallelLinear.from_linear(mlp.c_proj, group)
+        self.c_fc = ColumnParallelLinear.from_linear(mlp.c_fc, group, sequence_parallel=sequence_parallel)
+        self.c_proj = RowParallelLinear.from_linear(mlp.c_proj, group, sequence_parallel=sequence_parallel)
         self.gelu, self.dropout = copy.deepcopy(mlp.gelu), copy.deepcopy(mlp.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, C); one all-reduce each way
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, C); one all-reduce each way (or RS+AG)
 
 
 class ParallelSelfAttention(torch.nn.Module):
     """Causal self-attention with this rank's n_head/N heads: qkv column-parallel, c_proj row-parallel."""
 
-    def __init__(self, attn, group=None):
+    def __init__(self, attn, group=None, sequence_parallel: bool = False):
         super().__init__()
         C = attn.c_attn.in_features
         self.n_head, self.flash = _shard_size("n_head", attn.n_head, group), attn.flash
         self.recompute = attn.recompute  # "selective": the attention core is recomputed in backward
         mine = _block(C // td.get_world_size(group), group)  # this rank's channels of q, k and v alike
         qkv_rows = torch.cat([mine, C + mine, 2 * C + mine])  # this rank's heads in each of q, k, v
-        self.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, group, rows=qkv_rows)
-        self.c_proj = RowParallelLinear.from_linear(attn.c_proj, group, cols=mine)
+        self.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, group, rows=qkv_rows,
+                                                       sequence_parallel=sequence_parallel)
+        self.c_proj = RowParallelLinear.from_linear(attn.c_proj, group, cols=mine, sequence_parallel=sequence_parallel)
         self.attn_dropout, self.resid_dropout = copy.deepcopy(attn.attn_dropout), copy.deepcopy(attn.resid_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = split_heads(self.c_attn(x), self.n_head)  # 3 × (B, nh/N, T, hs)
+        qkv = self.c_attn(x)  # (B, T, 3C/N): the whole sequence, also when x holds only T/N of it
+        B, T, _ = qkv.shape
+        q, k, v = split_heads(qkv, self.n_head)  # 3 × (B, nh/N, T, hs)
         y = causal_attention(q, k, v, self.attn_dropout, self.flash, self.recompute)  # (B, nh/N, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C/N)
         return self.resid_dropout(self.c_proj(y))  # (B, T, C)
 
 
 class ParallelBlock(torch.nn.Module):
-    """A transformer block with tensor-parallel attention and MLP; layer norms replicated on every rank."""
+    """A transformer block with tensor-parallel attention and MLP; layer norms replicated on every rank.
 
-    def __init__(self, block, group=None):
+    With `sequence_parallel=True` the block takes and returns this rank's tokens, (B, T/N, C) (cut them with
+    `llmlab.parallel.sequence.scatter_sequence`), and its norms, dropouts and residuals work on those alone.
+    The layer norms' weights are then replicated but see different tokens on each rank: their gradients are
+    partial sums, to be all-reduced over the tensor-parallel group (`all_reduce_replicated_grads`) — Megatron-LM
+    marks them `sequence_parallel` for the same all-reduce.
+    """
+
+    def __init__(self, block, group=None, sequence_parallel: bool = False):
         super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.ln_1, self.ln_2 = copy.deepcopy(block.ln_1), copy.deepcopy(block.ln_2)
-        self.attn, self.mlp = ParallelSelfAttention(block.attn, group), ParallelMLP(block.mlp, group)
+        self.attn = ParallelSelfAttention(block.attn, group, sequence_parallel)
+        self.mlp = ParallelMLP(block.mlp, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))  # (B, T, C)
-        return x + self.mlp(self.ln_2(x))  # (B, T, C)
+        x = x + self.attn(self.ln_1(x))  # (B, T, C), or (B, T/N, C) with sequence parallelism
+        return x + self.mlp(self.ln_2(x))  # (B, T, C), or (B, T/N, C)
+
+    def all_reduce_replicated_grads(self) -> None:
+        """Under sequence parallelism, sum over the group the gradients that each rank computed on its own tokens
+        only: the layer norms' and the row-parallel biases'. Call after backward; nothing to do without it."""
+        if not self.sequence_parallel:
+            return
+        params = [*self.ln_1.parameters(), *self.ln_2.parameters()]
+        params += [m.bias for m in (self.attn.c_proj, self.mlp.c_proj) if m.bias is not None]
+        for p in params:
+            if p.grad is not None:
+                td.all_reduce(p.grad, group=self.group)
