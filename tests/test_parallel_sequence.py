@@ -145,3 +145,25 @@ def test_activation_bytes_are_korthikanti_table_2(t):
         34 * s * b * h / t, rel=1e-15)
     with pytest.raises(ValueError, match="t=0 must be a positive integer"):
         sp.activation_bytes(s, b, h, a, 0)
+
+
+def _ends(world, seed):
+    """scatter → block → gather → a loss every rank computes whole: the input's gradient is the unsplit one."""
+    group = Grid(tp=world, ranks=range(world)).tp_group
+    par = tp.ParallelBlock(_block(seed), group, sequence_parallel=True)
+    x = _input(seed)
+    y = sp.gather_sequence(par(sp.scatter_sequence(x, group)), group)  # (B, T, C) on every rank
+    y.pow(2).sum().backward()
+    par.all_reduce_replicated_grads()
+    return y.detach(), x.grad, par.ln_1.weight.grad
+
+
+def test_gathered_output_feeding_replicated_work_has_the_unsplit_gradients(cluster):
+    block, x = _block(1), _input(1)
+    y = block(x)
+    y.pow(2).sum().backward()
+    for got, x_grad, ln_grad in cluster.run(_ends, 4, 1):
+        # float64; the collectives' summation order only (see above)
+        torch.testing.assert_close(got, y.detach(), rtol=1e-11, atol=1e-12)
+        torch.testing.assert_close(x_grad, x.grad, rtol=1e-11, atol=1e-12)
+        torch.testing.assert_close(ln_grad, block.ln_1.weight.grad, rtol=1e-11, atol=1e-12)

@@ -48,6 +48,7 @@ TWO = {  # name -> (config on 2 ranks, tolerance)
     "zero3": (replace(BASE, zero=3), TOL["zero"]),
     "tp2": (replace(BASE, tp=2), EXACT),
     "tp2+checkpoint": (replace(BASE, tp=2, checkpoint=True), EXACT),
+    "tp2+sp": (replace(BASE, tp=2, sp=True), EXACT),
     "checkpoint+compress8": (replace(BASE, checkpoint=True, compress8=True), EXACT),
     "lora": (replace(BASE, lora=4), EXACT),
     "lora+zero2": (replace(BASE, lora=4, zero=2), EXACT),  # only LoRA's matrices: no decayed bias/LN gain
@@ -63,13 +64,14 @@ TWO = {  # name -> (config on 2 ranks, tolerance)
 FOUR = {
     "dp4": (BASE, EXACT),
     "dp2×tp2": (replace(BASE, tp=2), EXACT),
+    "dp2×tp2+sp+checkpoint": (replace(BASE, tp=2, sp=True, checkpoint=True), EXACT),
     "zero2": (replace(BASE, zero=2), TOL["zero"]),
     "zero3+checkpoint": (replace(BASE, zero=3, checkpoint=True), TOL["zero"]),
 }
 
 
 def _single(config: RunConfig) -> RunConfig:
-    return replace(config, zero=0, tp=1, nproc=1)
+    return replace(config, zero=0, tp=1, sp=False, nproc=1)
 
 
 def _run_all(configs):
@@ -204,6 +206,9 @@ def test_truncated_rank_file_is_refused(singles, saves, tmp_path, one_thread):
 RULE_CASES = [
     (replace(BASE, tp=2), 3, "--tp 2 does not divide the world size 3"),
     (replace(BASE, tp=8), 8, "--tp 8 does not divide the tiny model's n_head=4"),
+    (replace(BASE, sp=True), 2, "--sp cuts the tokens over the tensor-parallel ranks: it needs --tp >= 2"),
+    (replace(BASE, tp=2, sp=True, block_size=31), 2, "--sp with --tp 2: each tensor-parallel rank takes "
+                                                     "block_size/tp tokens, and --block-size 31 is not divisible"),
     (BASE, 3, "data-parallel size 3 .* does not divide the batch size 8"),
     (replace(BASE, stop_at=5), 1, "--stop-at 5 is past --steps 4"),
     (replace(BASE, zero=3), 1, "--zero 3 shards over data-parallel ranks: it needs a data-parallel size >= 2"),

@@ -7,7 +7,8 @@ bytes of activations per layer are not divided by t. Sequence parallelism cuts t
 [r·T/t, (r+1)·T/t) between the tensor-parallel regions. Megatron's f and g (an identity and an all-reduce) become
 the paper's g and ḡ (Fig. 5), which are conjugates:
 
-    g: forward all-gather along T,      backward reduce-scatter along T   (before a column-parallel linear)
+    g: forward all-gather along T,      backward reduce-scatter along T   (before a column-parallel linear:
+                                                                          `gathered_linear`)
     ḡ: forward reduce-scatter along T,  backward all-gather along T       (after a row-parallel linear)
 
 An all-reduce *is* a reduce-scatter followed by an all-gather, so a block sends exactly the bytes plain tensor
@@ -69,15 +70,20 @@ def _reduce_scatter_t(x: torch.Tensor, group) -> torch.Tensor:
     return mine.view(t_local, B, C).transpose(0, 1).contiguous()  # (B, T/t, C)
 
 
+def _own_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's T/t tokens of (B, T, C) that every rank holds whole → (B, T/t, C)."""
+    rank, n = _world(group)
+    t_local = _shard_tokens(x.shape[1], n)
+    return x[:, rank * t_local:(rank + 1) * t_local].contiguous()  # (B, T/t, C)
+
+
 class _ScatterSequence(torch.autograd.Function):
     """Keep this rank's T/t tokens of a tensor every rank holds whole; backward all-gathers the gradient."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        rank, n = _world(group)
-        t_local = _shard_tokens(x.shape[1], n)
-        return x[:, rank * t_local:(rank + 1) * t_local].contiguous()  # (B, T/t, C)
+        return _own_tokens(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -85,7 +91,9 @@ class _ScatterSequence(torch.autograd.Function):
 
 
 class _GatherSequence(torch.autograd.Function):
-    """The paper's g: all-gather along T forward, reduce-scatter along T backward."""
+    """All-gather along T for what follows replicated (the final norm and the head, the same on every rank):
+    backward keeps this rank's tokens of the gradient, which every rank holds whole and equal. (Before a
+    tensor-parallel matmul the gradient is partial instead and must be reduce-scattered: `gathered_linear`.)"""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -94,7 +102,7 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_t(grad, ctx.group), None
+        return _own_tokens(grad, ctx.group), None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
@@ -136,7 +144,8 @@ def scatter_sequence(x, group=None):
 
 
 def gather_sequence(x, group=None):
-    """g: the ranks' (B, T/t, C) → (B, T, C) on every rank; backward reduce-scatters."""
+    """The ranks' (B, T/t, C) → (B, T, C) on every rank, for replicated work after the last block; backward keeps
+    this rank's tokens of the gradient."""
     return _GatherSequence.apply(x, group)
 
 

@@ -78,6 +78,8 @@ class Capstone(Trainer):
         data-parallel ranks, the Megatron weights over the tensor-parallel ones) all-reduced as squares,
         replicated tensors counted once. Clip to grad_clip as `llmlab.train.clip.clip_grad_norm` does; return the
         norm before clipping."""
+        for block in self.module.transformer.h if self.run.sp else ():
+            block.all_reduce_replicated_grads()  # --sp: the norms' and row biases' gradients are per-token partial
         if self.zero is not None:
             sharded, replicated, group = self.zero.grad_shards(), [], self.group
         elif self.tp > 1:

@@ -44,6 +44,7 @@ class RunConfig:
     nproc: int = _flag(1, "local gloo/NCCL ranks to spawn (not under torchrun)", low=1, training=False)
     zero: int = _flag(0, "ZeRO stage over the data-parallel ranks", choices=(0, 1, 2, 3))
     tp: int = _flag(1, "tensor-parallel degree (world = dp × tp)", low=1)
+    sp: bool = _flag(False, "sequence parallelism with --tp (Megatron-SP: norms, dropouts, residuals on T/tp tokens)")
     checkpoint: bool = _flag(False, "activation checkpointing of every block")
     compress8: bool = _flag(False, "8-bit compression of saved activations")
     precision: str | None = _flag(None, "default: the preset's", choices=PRECISIONS)
@@ -121,9 +122,10 @@ class Setup:
 
     def names(self) -> dict:
         """What a rule's message may name: every flag, the resolved precision, steps and batch size, the model's
-        n_head and n_embd, dp and the world size."""
+        n_head and n_embd, dp and the world size (and the resolved block size)."""
         return {**asdict(self.run), "precision": self.train.precision, "steps": self.train.steps,
-                "batch_size": self.train.batch_size, "n_head": self.model.n_head, "n_embd": self.model.n_embd,
+                "batch_size": self.train.batch_size, "block_size": self.train.block_size,
+                "n_head": self.model.n_head, "n_embd": self.model.n_embd,
                 "dp": self.dp, "world": self.world}
 
 
@@ -141,6 +143,10 @@ RULES: tuple[Rule, ...] = tuple(Rule(*row) for row in (
     (lambda s: s.tp > 1 and (s.model.n_head % s.tp or s.model.n_embd % s.tp),
      "--tp {tp} does not divide the {preset} model's n_head={n_head} (or n_embd={n_embd}): each tensor-parallel "
      "rank takes n_head/tp whole heads"),
+    (lambda s: s.run.sp and s.tp < 2, "--sp cuts the tokens over the tensor-parallel ranks: it needs --tp >= 2"),
+    (lambda s: s.run.sp and s.train.block_size % s.tp, "--sp with --tp {tp}: each tensor-parallel rank takes "
+                                                       "block_size/tp tokens, and --block-size {block_size} is not "
+                                                       "divisible by {tp}"),
     (lambda s: s.train.batch_size % s.dp, "the data-parallel size {dp} (world {world} / --tp {tp}) does not divide "
                                           "the batch size {batch_size} (--batch-size)"),
     (lambda s: s.run.stop_at is not None and s.run.stop_at > s.train.steps, "--stop-at {stop_at} is past --steps "

@@ -13,6 +13,7 @@ import torch
 from llmlab.lora import apply_lora
 from llmlab.memory.zero import ZeRO
 from llmlab.moe import MoELayer
+from llmlab.parallel.sequence import gather_sequence, scatter_sequence
 from llmlab.parallel.tensor import ColumnParallelLinear, ParallelBlock, RowParallelLinear
 from llmlab.quant import LSQQuantizer, MinMaxQuantizer, QConfig, quantize_model
 from llmlab.train.capstone.config import RunConfig
@@ -38,7 +39,8 @@ class MoEMLP(torch.nn.Module):
 def compose_model(model: torch.nn.Module, run: RunConfig, tp_group=None) -> torch.nn.Module:
     """The GPT `model` (the same full model on every rank: same seed) with `run`'s parts swapped in, in place:
     --moe MLPs, --lora on the attention, --quant's fake-quantized linears, then --tp: every block sharded over
-    `tp_group` (its size is `run.tp`)."""
+    `tp_group` (its size is `run.tp`); with --sp the first block cuts its input to this rank's tokens and the last
+    gathers its output whole again (forward hooks), so the embeddings and the head see the whole sequence."""
     blocks = model.transformer.h
     if run.moe:
         for block in blocks:
@@ -50,7 +52,10 @@ def compose_model(model: torch.nn.Module, run: RunConfig, tp_group=None) -> torc
         quantize_model(model, QConfig(activation=MinMaxQuantizer(bits=8), weight=weight))
     if run.tp > 1:
         for i, block in enumerate(blocks):
-            blocks[i] = ParallelBlock(block, tp_group)
+            blocks[i] = ParallelBlock(block, tp_group, sequence_parallel=run.sp)
+    if run.sp:
+        blocks[0].register_forward_pre_hook(lambda _, args: (scatter_sequence(args[0], tp_group),))
+        blocks[-1].register_forward_hook(lambda _, args, out: gather_sequence(out, tp_group))
     return model
 
 
