@@ -1,4 +1,4 @@
-"""dist.Grid on real gloo ranks: every layout of 1–4 ranks (dp × pp × tp), each rank's coordinates and groups
+"""dist.Grid on real gloo ranks: every layout of 1–4 ranks (dp × pp × cp × tp), each rank's coordinates and groups
 against the layout enumerated here independently, an all-reduce on each group summing exactly its ranks, grids
 over some ranks only, and the sizes it refuses."""
 
@@ -9,16 +9,19 @@ import pytest
 from llmlab import dist
 from llmlab.dist import Grid
 
+AXES = ("dp", "pp", "cp", "tp")
+
 
 def _layouts(world):
-    """Every (dp, pp, tp) whose product is `world`."""
-    return [(dp, pp, tp) for dp, pp, tp in itertools.product(range(1, world + 1), repeat=3) if dp * pp * tp == world]
+    """Every (dp, pp, cp, tp) whose product is `world`."""
+    return [s for s in itertools.product(range(1, world + 1), repeat=4) if s[0] * s[1] * s[2] * s[3] == world]
 
 
-def _expected(dp, pp, tp, ranks):
-    """{global rank: (dp_rank, pp_rank, tp_rank)}, tp fastest: enumerated in nested loops, not by formula."""
+def _expected(sizes, ranks):
+    """{global rank: (dp_rank, pp_rank, cp_rank, tp_rank)}, tp fastest: enumerated in nested loops, not by
+    formula."""
     order = iter(ranks)
-    return {next(order): (d, p, t) for d in range(dp) for p in range(pp) for t in range(tp)}
+    return {next(order): c for c in itertools.product(*(range(n) for n in sizes))}
 
 
 def _group_sum(group):
@@ -39,25 +42,28 @@ def _observe(grid):
             return grid.tp_group  # outside the grid: refused, never the default group
         except ValueError as e:
             return str(e)
-    out = {"coords": (grid.dp_rank, grid.pp_rank, grid.tp_rank), "neighbours": (grid.prev_pp_rank, grid.next_pp_rank),
+    out = {"coords": tuple(getattr(grid, f"{a}_rank") for a in AXES),
+           "neighbours": (grid.prev_pp_rank, grid.next_pp_rank),
            "stage_ends": (grid.is_first_stage, grid.is_last_stage),
            "layout": {r: grid.coords(r) for r in grid.ranks}}
-    assert all(grid.rank_at(dp=d, pp=p, tp=t) == r for r, (d, p, t) in out["layout"].items())
-    for axis in ("dp", "pp", "tp"):
+    assert all(grid.rank_at(**dict(zip(AXES, c, strict=True))) == r for r, c in out["layout"].items())
+    for axis in AXES:
         group = getattr(grid, f"{axis}_group")
         out[axis] = {"ranks": getattr(grid, f"{axis}_ranks"), "size": td.get_world_size(group),
                      "rank": td.get_rank(group), "sum": _group_sum(group), "world": group is td.group.WORLD}
     return out
 
 
+SUBSETS = {(1, 3): (2, 1, 1, 1), (0, 1, 2): (1, 1, 1, 3), (0, 2): (1, 2, 1, 1), (0, 1, 3): (1, 1, 3, 1)}
+
+
 def _on_ranks(world):
     """On every rank: every layout of the whole world, then grids over some ranks, then refused sizes."""
     import torch.distributed as td
 
-    seen = {layout: _observe(Grid(dp=layout[0], pp=layout[1], tp=layout[2])) for layout in _layouts(world)}
-    subsets = {(1, 3): (2, 1, 1), (0, 1, 2): (1, 1, 3), (0, 2): (1, 2, 1)} if world == 4 else {}
-    for ranks, (dp, pp, tp) in subsets.items():
-        seen[ranks] = _observe(Grid(dp=dp, pp=pp, tp=tp, ranks=ranks))
+    seen = {sizes: _observe(Grid(**dict(zip(AXES, sizes, strict=True)))) for sizes in _layouts(world)}
+    for ranks, sizes in SUBSETS.items() if world == 4 else ():
+        seen[ranks] = _observe(Grid(**dict(zip(AXES, sizes, strict=True)), ranks=ranks))
     refused = []
     for kwargs in (dict(dp=world + 1), dict(dp=2, tp=2, pp=2), dict(dp=1, ranks=[world]), dict(dp=2, ranks=[0, 0]),
                    dict(dp=2, ranks=[1, 0])):
@@ -74,26 +80,24 @@ def ranks(request):
     return world, dist.spawn(_on_ranks, world, world, timeout=120)
 
 
-def _check(dp, pp, tp, ranks, per_rank):
-    expected = _expected(dp, pp, tp, ranks)
+def _check(sizes, ranks, per_rank):
+    expected = _expected(sizes, ranks)
     for rank, got in per_rank.items():
         if rank not in expected:
             assert got == f"rank {rank} is not in this grid (ranks {list(ranks)}): it has no coordinates or groups " \
                           "(check grid.member)"
             continue
-        d, p, t = expected[rank]
-        assert got["coords"] == (d, p, t), (dp, pp, tp, rank)
+        coords = expected[rank]
+        assert got["coords"] == coords, (sizes, rank)
         assert got["layout"] == expected  # Grid.coords of every rank, the same arithmetic on every rank
-        members = {"dp": [r for r, c in expected.items() if c[1:] == (p, t)],
-                   "pp": [r for r, c in expected.items() if (c[0], c[2]) == (d, t)],
-                   "tp": [r for r, c in expected.items() if c[:2] == (d, p)]}
-        for axis, want in members.items():
+        for i, axis in enumerate(AXES):  # a group: the ranks whose other coordinates are this rank's
+            want = [r for r, c in expected.items() if c[:i] + c[i + 1:] == coords[:i] + coords[i + 1:]]
             seen = got[axis]
-            assert list(seen["ranks"]) == sorted(want), (axis, dp, pp, tp, rank)
-            assert seen["size"] == len(want) and seen["rank"] == (d, p, t)[("dp", "pp", "tp").index(axis)]
+            assert list(seen["ranks"]) == sorted(want), (axis, sizes, rank)
+            assert seen["size"] == len(want) and seen["rank"] == coords[i]
             assert seen["sum"] == sum(want)  # the all-reduce reached exactly this group's ranks
             assert seen["world"] == (len(want) == len(per_rank))  # a group of every rank is the default group
-        stages = members["pp"]
+        stages, p, pp = got["pp"]["ranks"], coords[1], sizes[1]
         assert got["stage_ends"] == (p == 0, p == pp - 1)
         assert got["neighbours"] == (stages[p - 1] if p else None, stages[p + 1] if p < pp - 1 else None)
 
@@ -101,26 +105,34 @@ def _check(dp, pp, tp, ranks, per_rank):
 def test_every_layout_matches_the_enumerated_one(ranks):
     world, results = ranks
     assert [rank for rank, _, _ in results] == list(range(world))
-    for layout in _layouts(world):
-        _check(*layout, range(world), {rank: seen[layout] for rank, seen, _ in results})
+    for sizes in _layouts(world):
+        _check(sizes, range(world), {rank: seen[sizes] for rank, seen, _ in results})
     if world == 4:
-        assert {(2, 1, 2), (2, 2, 1), (1, 1, 4), (4, 1, 1)} <= set(_layouts(4))  # dp2×tp2, pp2×dp2, …
-        for subset, layout in {(1, 3): (2, 1, 1), (0, 1, 2): (1, 1, 3), (0, 2): (1, 2, 1)}.items():
-            _check(*layout, subset, {rank: seen[subset] for rank, seen, _ in results})
+        assert {(2, 1, 1, 2), (2, 2, 1, 1), (1, 1, 1, 4), (4, 1, 1, 1), (2, 1, 2, 1), (1, 1, 2, 2)} <= set(_layouts(4))
+        for subset, sizes in SUBSETS.items():
+            _check(sizes, subset, {rank: seen[subset] for rank, seen, _ in results})
 
 
 def test_capstone_layout_rank_g_is_tp_rank_g_mod_tp_of_replica_g_div_tp(ranks):
     world, results = ranks
     for tp in (t for t in (1, 2, 4) if world % t == 0):
         for rank, seen, _ in results:
-            assert seen[(world // tp, 1, tp)]["coords"] == (rank // tp, 0, rank % tp)
+            assert seen[(world // tp, 1, 1, tp)]["coords"] == (rank // tp, 0, 0, rank % tp)
+
+
+def test_context_parallel_ranks_are_neighbours_between_tp_and_pp(ranks):
+    """With tp = 1 global rank g is context-parallel rank g % cp of replica g // cp: a sequence's ranks adjacent."""
+    world, results = ranks
+    for cp in (c for c in (2, 4) if world % c == 0):
+        for rank, seen, _ in results:
+            assert seen[(world // cp, 1, cp, 1)]["coords"] == (rank // cp, 0, rank % cp, 0)
 
 
 def test_bad_sizes_are_refused_on_the_ranks(ranks):
     world, results = ranks
     for _, _, refused in results:
-        assert refused[0] == f"dp × pp × tp = {world + 1} × 1 × 1 = {world + 1} must equal the world size {world}"
-        assert refused[1].startswith("dp × pp × tp = 2 × 2 × 2 = 8 must equal")
+        assert refused[0] == f"dp × pp × cp × tp = {world + 1} × 1 × 1 × 1 = {world + 1} must equal the world size {world}"
+        assert refused[1].startswith("dp × pp × cp × tp = 2 × 2 × 1 × 2 = 8 must equal")
         assert all("must be increasing global ranks" in e for e in refused[2:])
         assert len(refused) == 5
 

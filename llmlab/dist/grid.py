@@ -1,4 +1,5 @@
-"""The process grid: the ranks laid out as data parallel × pipeline parallel × tensor parallel, and their groups.
+"""The process grid: the ranks laid out as data parallel × pipeline × context parallel × tensor parallel, and
+their groups.
 
     grid = Grid(dp=2, tp=2)              # on every rank, once, after the default group exists (4 ranks)
     grid.dp_rank, grid.tp_rank           # this rank's coordinates
@@ -6,17 +7,18 @@
     td.all_reduce(t, group=grid.dp_group)
 
 Layout (as picotron's process-group manager, github.com/huggingface/picotron, and Megatron): tensor parallel is
-the fastest axis, then pipeline, then data parallel, so the ranks of one tensor-parallel group are neighbours
-(one node, the fastest links) and the i-th of `ranks` sits at
+the fastest axis, then context parallel (`cp`: the ranks that split each sequence, llmlab.parallel.context), then
+pipeline, then data parallel, so the ranks of one tensor-parallel group are neighbours (one node, the fastest
+links) and the i-th of `ranks` sits at
 
-    i = (dp_rank · pp + pp_rank) · tp + tp_rank
+    i = ((dp_rank · pp + pp_rank) · cp + cp_rank) · tp + tp_rank
 
-With pp = 1, global rank g is tensor-parallel rank g % tp of data-parallel replica g // tp: the layout
+With pp = cp = 1, global rank g is tensor-parallel rank g % tp of data-parallel replica g // tp: the layout
 `llmlab train`'s saved checkpoints record. Each group lists its ranks in increasing order, so a rank's
 coordinate on an axis is its rank in that axis's group (`td.get_rank(grid.tp_group) == grid.tp_rank`).
 
 `torch.distributed.new_group` is collective: every rank of the world must create every group, in the same order,
-even a group it is not in. `Grid` does that (tensor-parallel groups, then pipeline, then data parallel), so it
+even a group it is not in. `Grid` does that (tensor-parallel groups, then context, pipeline, data parallel), so it
 must be built on every rank with the same arguments. A group that spans the whole world is the default group
 (`td.group.WORLD`), not a new one. `ranks=` lays the grid over some ranks only (increasing global ranks, e.g. the
 first 2 of a 4-rank cluster): the others still build it (`grid.member` is False there) and have no coordinates
@@ -25,21 +27,23 @@ or groups.
 
 from __future__ import annotations
 
+import itertools
+
 import torch.distributed as td
 
 from llmlab import validation
 
 __all__ = ["Grid"]
 
-AXES = ("dp", "pp", "tp")  # slowest to fastest
+AXES = ("dp", "pp", "cp", "tp")  # slowest to fastest
 
 
 class Grid:
-    """`dp` × `pp` × `tp` ranks (positive ints whose product is the number of ranks: the world size, or
+    """`dp` × `pp` × `cp` × `tp` ranks (positive ints whose product is the number of ranks: the world size, or
     `len(ranks)`); see the module docstring for the layout. Build it on every rank with the same arguments."""
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, *, ranks=None):
-        for name, size in (("dp", dp), ("pp", pp), ("tp", tp)):
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, *, cp: int = 1, ranks=None):
+        for name, size in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)):
             validation.positive_int(name, size)
         if not td.is_initialized():
             raise RuntimeError("Grid needs torch.distributed initialised first (dist.spawn, a dist.Cluster, or "
@@ -55,14 +59,15 @@ class Grid:
                 raise ValueError(f"ranks={list(ranks)} must be increasing global ranks (ints in [0, {world - 1}]), "
                                  "each once")
             where = f"the {len(ranks)} ranks {list(ranks)}"
-        if dp * pp * tp != len(ranks):
-            raise ValueError(f"dp × pp × tp = {dp} × {pp} × {tp} = {dp * pp * tp} must equal {where}")
-        self.dp, self.pp, self.tp, self.ranks = dp, pp, tp, ranks
+        if dp * pp * cp * tp != len(ranks):
+            raise ValueError(f"dp × pp × cp × tp = {dp} × {pp} × {cp} × {tp} = {dp * pp * cp * tp} must equal "
+                             f"{where}")
+        self.dp, self.pp, self.cp, self.tp, self.ranks = dp, pp, cp, tp, ranks
         self.rank = td.get_rank()
         self.member = self.rank in ranks
         self._coords = self.coords(self.rank) if self.member else None
         self._groups, self._members = {}, {}
-        for axis in reversed(AXES):  # tp, pp, dp: the same order on every rank
+        for axis in reversed(AXES):  # tp, cp, pp, dp: the same order on every rank
             for line in self._lines(axis):
                 group = td.group.WORLD if line == tuple(range(world)) else td.new_group(list(line))
                 if self.rank in line:
@@ -71,36 +76,40 @@ class Grid:
     def __repr__(self) -> str:
         where = (", ".join(f"{a}_rank={c}" for a, c in zip(AXES, self._coords, strict=True)) if self.member
                  else "not a member")
-        return f"Grid(dp={self.dp}, pp={self.pp}, tp={self.tp}) on rank {self.rank}: {where}"
+        return f"Grid(dp={self.dp}, pp={self.pp}, cp={self.cp}, tp={self.tp}) on rank {self.rank}: {where}"
 
     # --- the layout: pure arithmetic, the same on every rank ---------------------------------------------------
 
-    def rank_at(self, *, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
+    def rank_at(self, *, dp: int = 0, pp: int = 0, cp: int = 0, tp: int = 0) -> int:
         """The global rank at these coordinates (each in [0, size of its axis))."""
-        for name, value in (("dp", dp), ("pp", pp), ("tp", tp)):
+        i = 0
+        for name, value in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)):  # slowest to fastest
             validation.integer(name, value, low=0, high=getattr(self, name) - 1)
-        return self.ranks[(dp * self.pp + pp) * self.tp + tp]
+            i = i * getattr(self, name) + value
+        return self.ranks[i]
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp_rank, pp_rank, tp_rank) of global rank `rank` (ValueError if it is not in the grid)."""
+    def coords(self, rank: int) -> tuple[int, int, int, int]:
+        """(dp_rank, pp_rank, cp_rank, tp_rank) of global rank `rank` (ValueError if it is not in the grid)."""
         if rank not in self.ranks:
             raise ValueError(f"rank={rank!r} is not in this grid (ranks {list(self.ranks)})")
-        i = self.ranks.index(rank)
-        return i // (self.pp * self.tp), i // self.tp % self.pp, i % self.tp
+        i, out = self.ranks.index(rank), []
+        for axis in reversed(AXES):  # fastest first: the last digit of i in the mixed radix (dp, pp, cp, tp)
+            i, c = divmod(i, getattr(self, axis))
+            out.append(c)
+        return tuple(reversed(out))
 
     def _lines(self, axis: str) -> list[tuple[int, ...]]:
-        """Every group along `axis`: the ranks whose other two coordinates are equal, in a fixed order."""
+        """Every group along `axis`: the ranks whose other coordinates are equal, in a fixed order."""
         others = [a for a in AXES if a != axis]
         out = []
-        for i in range(getattr(self, others[0])):
-            for j in range(getattr(self, others[1])):
-                fixed = {others[0]: i, others[1]: j}
-                out.append(tuple(self.rank_at(**fixed, **{axis: k}) for k in range(getattr(self, axis))))
+        for fixed in itertools.product(*(range(getattr(self, a)) for a in others)):
+            at = dict(zip(others, fixed, strict=True))
+            out.append(tuple(self.rank_at(**at, **{axis: k}) for k in range(getattr(self, axis))))
         return out
 
     # --- this rank: coordinates, groups, neighbours ------------------------------------------------------------
 
-    def _mine(self) -> tuple[int, int, int]:
+    def _mine(self) -> tuple[int, int, int, int]:
         if not self.member:
             raise ValueError(f"rank {self.rank} is not in this grid (ranks {list(self.ranks)}): it has no "
                              "coordinates or groups (check grid.member)")
@@ -115,8 +124,12 @@ class Grid:
         return self._mine()[1]
 
     @property
-    def tp_rank(self) -> int:
+    def cp_rank(self) -> int:
         return self._mine()[2]
+
+    @property
+    def tp_rank(self) -> int:
+        return self._mine()[3]
 
     @property
     def dp_group(self):
@@ -129,6 +142,12 @@ class Grid:
         """The pipeline group of this rank: one rank per stage."""
         self._mine()
         return self._groups["pp"]
+
+    @property
+    def cp_group(self):
+        """The context-parallel group of this rank: the ranks that split each sequence of the same rows."""
+        self._mine()
+        return self._groups["cp"]
 
     @property
     def tp_group(self):
@@ -146,6 +165,11 @@ class Grid:
     def pp_ranks(self) -> tuple[int, ...]:
         self._mine()
         return self._members["pp"]
+
+    @property
+    def cp_ranks(self) -> tuple[int, ...]:
+        self._mine()
+        return self._members["cp"]
 
     @property
     def tp_ranks(self) -> tuple[int, ...]:
