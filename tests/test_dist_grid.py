@@ -131,7 +131,8 @@ def test_context_parallel_ranks_are_neighbours_between_tp_and_pp(ranks):
 def test_bad_sizes_are_refused_on_the_ranks(ranks):
     world, results = ranks
     for _, _, refused in results:
-        assert refused[0] == f"dp × pp × cp × tp = {world + 1} × 1 × 1 × 1 = {world + 1} must equal the world size {world}"
+        assert refused[0] == (f"dp × pp × cp × tp = {world + 1} × 1 × 1 × 1 = {world + 1} must equal the world size "
+                              f"{world}")
         assert refused[1].startswith("dp × pp × cp × tp = 2 × 2 × 1 × 2 = 8 must equal")
         assert all("must be increasing global ranks" in e for e in refused[2:])
         assert len(refused) == 5

@@ -85,3 +85,46 @@ def test_bad_input_is_refused():
         cp.positions(10, 0, 2, "zigzag")
     with pytest.raises(ValueError, match=r"q, k, v must be \(B, H, T/cp, D\) of one shape"):
         cp.ring_attention(torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 4, 4))
+
+
+def _attention_module(seed: int):
+    from llmlab.model import CausalSelfAttention, GPTConfig
+
+    torch.manual_seed(seed)
+    return CausalSelfAttention(GPTConfig(vocab_size=8, block_size=64, n_layer=1, n_head=H, n_embd=H * D)).double()
+
+
+def _module_on_rank(world, seed, T):
+    grid = Grid(tp=world, ranks=range(world))
+    if not grid.member:
+        return None
+    attn = _attention_module(seed)
+    x = torch.randn(B, T, H * D, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))  # (B, T, C)
+    pos = cp.positions(T, grid.tp_rank, world)
+    y = cp.ContextParallelAttention(attn, grid.tp_group)(x[:, pos])  # (B, T/cp, C): this rank's tokens
+    y.pow(2).sum().backward()
+    return {"pos": pos, "y": y.detach(), "grads": {n: p.grad for n, p in attn.named_parameters()}}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_attention_module_equals_the_block_attention(cluster, world):
+    """A GPT block's attention on this rank's zig-zag tokens, its projections shared: the output rows equal the
+    unsplit module's at those positions, and its parameter gradients summed over the ranks equal the unsplit's."""
+    seed, T = torch.randint(0, 2**31, ()).item(), 4 * world
+    results = [r for r in cluster.run(_module_on_rank, world, seed, T) if r is not None]
+    attn = _attention_module(seed)
+    x = torch.randn(B, T, H * D, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    y = attn(x)  # (B, T, C)
+    y.pow(2).sum().backward()
+    for r in results:  # float64, partial sums in another order: far inside 1e-10 (as above)
+        torch.testing.assert_close(r["y"], y.detach()[:, r["pos"]], rtol=1e-10, atol=1e-12)
+    for name, p in attn.named_parameters():
+        summed = sum(r["grads"][name] for r in results)
+        torch.testing.assert_close(summed, p.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_context_parallel_attention_refuses_attention_dropout():
+    attn = _attention_module(0)
+    attn.attn_dropout.p = 0.1
+    with pytest.raises(ValueError, match="attention dropout p=0.1: ring attention applies none"):
+        cp.ContextParallelAttention(attn)

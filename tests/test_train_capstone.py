@@ -49,6 +49,8 @@ TWO = {  # name -> (config on 2 ranks, tolerance)
     "tp2": (replace(BASE, tp=2), EXACT),
     "tp2+checkpoint": (replace(BASE, tp=2, checkpoint=True), EXACT),
     "tp2+sp": (replace(BASE, tp=2, sp=True), EXACT),
+    "cp2": (replace(BASE, cp=2), EXACT),
+    "cp2+lora": (replace(BASE, cp=2, lora=4), EXACT),
     "checkpoint+compress8": (replace(BASE, checkpoint=True, compress8=True), EXACT),
     "lora": (replace(BASE, lora=4), EXACT),
     "lora+zero2": (replace(BASE, lora=4, zero=2), EXACT),  # only LoRA's matrices: no decayed bias/LN gain
@@ -65,13 +67,15 @@ FOUR = {
     "dp4": (BASE, EXACT),
     "dp2×tp2": (replace(BASE, tp=2), EXACT),
     "dp2×tp2+sp+checkpoint": (replace(BASE, tp=2, sp=True, checkpoint=True), EXACT),
+    "dp2×cp2": (replace(BASE, cp=2), EXACT),
+    "cp4+checkpoint": (replace(BASE, cp=4, checkpoint=True), EXACT),
     "zero2": (replace(BASE, zero=2), TOL["zero"]),
     "zero3+checkpoint": (replace(BASE, zero=3, checkpoint=True), TOL["zero"]),
 }
 
 
 def _single(config: RunConfig) -> RunConfig:
-    return replace(config, zero=0, tp=1, sp=False, nproc=1)
+    return replace(config, zero=0, tp=1, sp=False, cp=1, nproc=1)
 
 
 def _run_all(configs):
@@ -83,7 +87,7 @@ def _run_all(configs):
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory):
     root = tmp_path_factory.mktemp("capstone")
-    return {name: str(root / name) for name in ("single", "zero2", "zero3", "tp2", "dp")}
+    return {name: str(root / name) for name in ("single", "zero2", "zero3", "tp2", "dp", "cp2")}
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +108,8 @@ def singles(saves):
 
 @pytest.fixture(scope="module")
 def two_ranks(saves):
-    resumable = {"zero2": TWO["zero2"][0], "zero3": TWO["zero3"][0], "tp2": TWO["tp2"][0], "dp": BASE}
+    resumable = {"zero2": TWO["zero2"][0], "zero3": TWO["zero3"][0], "tp2": TWO["tp2"][0], "dp": BASE,
+                 "cp2": TWO["cp2"][0]}
     configs = [c for c, _ in TWO.values()]
     configs += [replace(c, stop_at=STOP, save=saves[n]) for n, c in resumable.items()]
     configs += [replace(resumable[n], resume=saves[n]) for n in ("zero2", "zero3")]  # the same layout
@@ -115,9 +120,11 @@ def two_ranks(saves):
 @pytest.fixture(scope="module")
 def four_ranks(two_ranks, saves):
     configs = [c for c, _ in FOUR.values()]
-    # 2-rank saves resumed on 4 ranks: ZeRO-2 and ZeRO-3 re-sharded, data parallel and dp1×tp2 → dp2×tp2
+    # 2-rank saves resumed on 4 ranks: ZeRO-2 and ZeRO-3 re-sharded, data parallel, dp1×tp2 → dp2×tp2 and
+    # dp1×cp2 → dp2×cp2
     resumed = [replace(TWO["zero2"][0], resume=saves["zero2"]), replace(TWO["zero3"][0], resume=saves["zero3"]),
-               replace(BASE, tp=2, resume=saves["tp2"]), replace(BASE, resume=saves["dp"])]
+               replace(BASE, tp=2, resume=saves["tp2"]), replace(BASE, resume=saves["dp"]),
+               replace(BASE, cp=2, resume=saves["cp2"])]
     results = dist.spawn(_run_all, 4, configs + resumed, timeout=240)[0]
     return dict(zip(FOUR, results, strict=False)), results[len(FOUR):]
 
@@ -163,14 +170,15 @@ def test_resume_continues_bit_exactly_on_the_same_layout(singles, two_ranks, sav
     assert zero2_resumed["losses"] == two_ranks[0]["zero2"]["losses"]
     assert zero3_resumed["losses"] == two_ranks[0]["zero3"]["losses"]
     manifest = state_file.read_state(checkpoints.resolve(saves["zero2"]) / "manifest.pt")
-    assert manifest["step"] == STOP and manifest["layout"] == dict(world_size=2, dp=2, tp=1, zero=2)
+    assert manifest["step"] == STOP and manifest["layout"] == dict(world_size=2, dp=2, cp=1, tp=1, zero=2)
 
 
 def test_resume_onto_another_data_parallel_size(two_ranks, four_ranks):
     """2-rank saves continue on 4 ranks: the same updates, summed in another order (EXACT)."""
-    zero2, zero3, tp, dp = four_ranks[1]
-    assert zero2["layout"]["dp"] == 4 and tp["layout"] == dict(world_size=4, dp=2, tp=2, zero=0)
-    for name, resumed in (("zero2", zero2), ("zero3", zero3), ("tp2", tp), ("dp", dp)):
+    zero2, zero3, tp, dp, cp = four_ranks[1]
+    assert zero2["layout"]["dp"] == 4 and tp["layout"] == dict(world_size=4, dp=2, cp=1, tp=2, zero=0)
+    assert cp["layout"] == dict(world_size=4, dp=2, cp=2, tp=1, zero=0)
+    for name, resumed in (("zero2", zero2), ("zero3", zero3), ("tp2", tp), ("dp", dp), ("cp2", cp)):
         straight = two_ranks[0][name]["losses"]
         assert resumed["losses"][:STOP] == straight[:STOP], name  # the saved history
         assert _max_diff(resumed["losses"], straight) <= EXACT, name
@@ -180,6 +188,9 @@ def test_resume_refusals_happen_before_any_rank_starts(two_ranks, saves, tmp_pat
     with pytest.raises(ValueError, match=r"layout world 2 = dp 2 × tp 1, zero 2.*this run is world 4 = dp 4 × tp 1, "
                                          r"zero 1"):
         launch(replace(TWO["zero2"][0], zero=1, nproc=4, resume=saves["zero2"]))
+    with pytest.raises(ValueError, match=r"layout world 2 = dp 1 × cp 2 × tp 1, zero 0.*this run is world 2 = dp 2 × "
+                                         r"tp 1, zero 0: only the data-parallel size may change"):
+        launch(replace(BASE, nproc=2, resume=saves["cp2"]))
     with pytest.raises(ValueError, match=r"other flags \(--lora: saved 0, here 4\)"):
         launch(replace(TWO["zero2"][0], lora=4, nproc=2, resume=saves["zero2"]))
     with pytest.raises(ValueError, match="no complete checkpoint there"):
@@ -205,16 +216,24 @@ def test_truncated_rank_file_is_refused(singles, saves, tmp_path, one_thread):
 # One case per row of the composition table config.RULES, in its order: (config, world size, the message).
 RULE_CASES = [
     (replace(BASE, tp=2), 3, "--tp 2 does not divide the world size 3"),
+    (replace(BASE, cp=2), 3, r"--cp 2 × --tp 1 does not divide the world size 3 \(world = dp × cp × tp\)"),
     (replace(BASE, tp=8), 8, "--tp 8 does not divide the tiny model's n_head=4"),
     (replace(BASE, sp=True), 2, "--sp cuts the tokens over the tensor-parallel ranks: it needs --tp >= 2"),
     (replace(BASE, tp=2, sp=True, block_size=31), 2, "--sp with --tp 2: each tensor-parallel rank takes "
                                                      "block_size/tp tokens, and --block-size 31 is not divisible"),
+    (replace(BASE, cp=2, tp=2), 4, "--cp 2 with --tp 2: ring attention runs whole heads"),
+    (replace(BASE, cp=2, block_size=30), 2, "--cp 2: the zig-zag layout cuts each sequence into 2·cp chunks, and "
+                                            "--block-size 30 is not divisible by 2·2"),
     (BASE, 3, "data-parallel size 3 .* does not divide the batch size 8"),
     (replace(BASE, stop_at=5), 1, "--stop-at 5 is past --steps 4"),
     (replace(BASE, zero=3), 1, "--zero 3 shards over data-parallel ranks: it needs a data-parallel size >= 2"),
     (replace(BASE, zero=1, tp=2), 4, "--zero 1 with --tp 2"),
     (replace(BASE, zero=2, precision="fp16"), 2, "--zero 2 with --precision fp16"),
     (replace(BASE, tp=2, precision="fp16"), 2, "--tp 2 with --precision fp16"),
+    (replace(BASE, cp=2, zero=1), 4, "--cp 2 with --zero 1"),
+    (replace(BASE, cp=2, precision="fp16"), 2, "--cp 2 with --precision fp16"),
+    (replace(BASE, cp=2, moe=4), 2, "--cp 2 with --moe"),
+    (replace(BASE, cp=2, compress8=True), 2, "--cp 2 with --compress8"),
     (replace(BASE, tp=2, lora=4), 2, "--tp 2 with --lora"),
     (replace(BASE, tp=2, moe=4), 2, "--tp 2 with --moe"),
     (replace(BASE, tp=2, quant="w8a8"), 2, "--tp 2 with --quant"),

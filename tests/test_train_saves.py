@@ -149,7 +149,7 @@ def read_flags(root) -> dict:
 
 
 FORGED = {  # manifest field -> a forged value, and what the one-line refusal says
-    "layout": (dict(world_size=0, dp=0, tp=1, zero=0), "not {world_size, dp, tp, zero} of positive ints"),
+    "layout": (dict(world_size=0, dp=0, tp=1, zero=0), "not {world_size, dp, cp, tp, zero} of positive ints"),
     "step": ("6", "step '6' is not an update count"),
     "flags": ([1, 2], "flags list, expected"),
 }
@@ -163,7 +163,7 @@ def test_forged_manifests_are_refused_in_one_line(field, straight, tmp_path, cap
     manifest = state_file.read_state(file)
     layout, flags = manifest["layout"], manifest["flags"]
     forged, message = {
-        "world": (dict(manifest, layout=dict(layout, world_size=3)), "is impossible (world_size = dp × tp"),
+        "world": (dict(manifest, layout=dict(layout, world_size=3)), "is impossible (world_size = dp × cp × tp"),
         "steps-type": (dict(manifest, flags=dict(flags, steps=6.0)), "flag values of the wrong type: steps=6.0"),
         "past-steps": (dict(manifest, step=7), "step 7 is not an update count from 0 to --steps 6"),
         "other-name": (dict(manifest, step=4), "step 4 does not match the folder's name step-000006"),
@@ -185,6 +185,26 @@ def test_forged_rank_files_are_refused_in_one_line(forge, message, straight, tmp
     file = checkpoints.step_dir(root, 6) / "rank0.pt"
     state_file.write_state(file, forge(state_file.read_state(file)))
     assert message in _refused(capsys, [*ARGS[:-2], "--resume", str(root)])
+
+
+def test_a_save_from_before_sp_and_cp_resumes_as_cp_1_without_sp(straight, tmp_path, capsys, one_thread):
+    """Saves written before --sp and --cp existed (no such flags, no cp in the layouts) still resume; with
+    --cp 2 they are refused, naming both layouts."""
+    root = tmp_path / "run"
+    shutil.copytree(straight, root)
+    folder = checkpoints.step_dir(root, 4)
+    manifest = state_file.read_state(folder / "manifest.pt")
+    old = lambda layout: {k: v for k, v in layout.items() if k != "cp"}  # noqa: E731
+    state_file.write_state(folder / "manifest.pt", dict(
+        manifest, layout=old(manifest["layout"]), flags={k: v for k, v in manifest["flags"].items()
+                                                         if k not in ("sp", "cp")}))
+    rank0 = state_file.read_state(folder / "rank0.pt")
+    state_file.write_state(folder / "rank0.pt", dict(rank0, layout=old(rank0["layout"])))
+    shutil.rmtree(checkpoints.step_dir(root, 6))
+    assert main([*ARGS[:-2], "--resume", str(root)]) == 0
+    assert "final loss" in capsys.readouterr().out
+    assert "this run is world 2 = dp 1 × cp 2 × tp 1" in _refused(capsys, [*ARGS[:-2], "--cp", "2", "--nproc", "2",
+                                                                            "--resume", str(root)])
 
 
 def test_an_interrupted_save_is_ignored_by_resume_with_a_note(straight, tmp_path, capsys, one_thread):

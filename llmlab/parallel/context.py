@@ -21,6 +21,9 @@ same number of unmasked scores, c²(2cp − 1) + c(c + 1) for chunks of c tokens
         mine = lambda t: shard_sequence(t, layout="zigzag")            # (B, H, T/cp, D)
         o = ring_attention(mine(q), mine(k), mine(v), causal=True, layout="zigzag")
         return o                           # equals F.scaled_dot_product_attention(q, k, v)'s rows `positions(...)`
+
+In a model, `ContextParallelAttention(block.attn, group)` takes the block's own projections and attends by the
+ring: the block then runs on this rank's tokens (B, T/cp, C) only. `llmlab train --cp` composes it this way.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ import torch
 import torch.distributed as td
 
 from llmlab.dist.commlog import post
+from llmlab.model import CausalSelfAttention, split_heads
 
-__all__ = ["LAYOUTS", "positions", "shard_sequence", "ring_attention", "causal_work"]
+__all__ = ["LAYOUTS", "positions", "shard_sequence", "ring_attention", "causal_work", "ContextParallelAttention"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -153,3 +157,22 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         raise ValueError(f"q, k, v must be (B, H, T/cp, D) of one shape; got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
     return _RingAttention.apply(q, k, v, group, causal, layout, spans)
+
+
+class ContextParallelAttention(torch.nn.Module):
+    """A GPT block's causal self-attention on this rank's tokens (B, T/cp, C) in the zig-zag layout, its
+    projections those of `attn` (shared, not copied: LoRA or fake quantization on them stays), the attention itself
+    the ring over `group`. Attention dropout has no place in the ring's blocks: `attn`'s must be 0."""
+
+    def __init__(self, attn: CausalSelfAttention, group=None):
+        super().__init__()
+        if attn.attn_dropout.p:
+            raise ValueError(f"attn has attention dropout p={attn.attn_dropout.p}: ring attention applies none")
+        self.attn, self.group = attn, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, t, C = x.shape  # t = T/cp tokens of this rank
+        q, k, v = split_heads(self.attn.c_attn(x), self.attn.n_head)  # 3 × (B, nh, t, hs)
+        y = ring_attention(q, k, v, self.group, causal=True, layout="zigzag")  # (B, nh, t, hs)
+        y = y.transpose(1, 2).contiguous().view(B, t, C)  # (B, t, C)
+        return self.attn.resid_dropout(self.attn.c_proj(y))  # (B, t, C)

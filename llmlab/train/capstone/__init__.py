@@ -4,15 +4,19 @@
     llmlab train --nproc 4 --zero 2 --accum 2                    # 4 local gloo ranks (llmlab.dist.spawn)
     llmlab train --nproc 4 --tp 2 --checkpoint                   # 2 data-parallel × 2 tensor-parallel ranks
     llmlab train --nproc 2 --tp 2 --sp                           # and sequence parallel between the matmuls
+    llmlab train --nproc 4 --cp 2                                # 2 data-parallel × 2 context-parallel ranks
     torchrun --nnodes 2 --nproc-per-node 8 -m llmlab.train --zero 1 --preset small   # NCCL; the env decides
 
-(`python -m llmlab.train …` is the same command.) The world is dp × tp ranks laid out by llmlab.dist.Grid: rank g
-is tensor-parallel rank g % tp of data-parallel replica g // tp. What each flag composes, all from the library:
+(`python -m llmlab.train …` is the same command.) The world is dp × cp × tp ranks laid out by llmlab.dist.Grid:
+rank g is tensor-parallel rank g % tp of context-parallel rank g // tp % cp of data-parallel replica g // (cp·tp).
+What each flag composes, all from the library:
 
     (world size)   Trainer(data_parallel=True): llmlab.parallel.ddp.DataParallel over the dp ranks
     --zero S       llmlab.memory.zero.ZeRO stage S over the dp ranks (its own AdamW on shards)
     --tp N         llmlab.parallel.tensor.ParallelBlock for every block (Megatron attention + MLP)
     --sp           with --tp: llmlab.parallel.sequence (Megatron-SP), the blocks hold T/tp tokens between matmuls
+    --cp N         llmlab.parallel.context: each sequence cut zig-zag over N ranks, ring attention in every block,
+                   each rank's loss over its tokens, gradients averaged over the N (Capstone.clip)
     --checkpoint   llmlab.memory.checkpoint.checkpointed(blocks)      --compress8   compressed_activations(8)
     --precision    Trainer's autocast (+ dynamic loss scaling for fp16)  --accum N  Trainer's accumulation
     --lora R       llmlab.lora.apply_lora (attention, rank R)         --moe E   llmlab.moe.MoELayer MLPs (top-2)

@@ -10,6 +10,7 @@ import contextlib
 
 import torch
 import torch.distributed as td
+import torch.nn.functional as F
 
 from llmlab import dist
 from llmlab.memory.checkpoint import checkpointed
@@ -17,7 +18,7 @@ from llmlab.memory.compress import compressed_activations
 from llmlab.memory.zero import ZeRO
 from llmlab.train.capstone import saves
 from llmlab.train.capstone.config import RunConfig, check
-from llmlab.train.capstone.parts import ZeROOptimizer, compose_model, split_gradients
+from llmlab.train.capstone.parts import ZeROOptimizer, compose_model, cp_positions, split_gradients
 from llmlab.train.clip import scale_to_norm
 from llmlab.train.trainer import Trainer
 
@@ -25,7 +26,8 @@ __all__ = ["Capstone"]
 
 
 class Capstone(Trainer):
-    """Train per `run` on this rank of `grid` (a llmlab.dist.Grid of dp × tp ranks; None: one process alone)."""
+    """Train per `run` on this rank of `grid` (a llmlab.dist.Grid of dp × cp × tp ranks; None: one process
+    alone)."""
 
     def __init__(self, run: RunConfig, grid=None, monitor=None, heartbeat=dist.heartbeat):
         self.run, self.grid, self.heartbeat = run, grid, heartbeat
@@ -33,14 +35,16 @@ class Capstone(Trainer):
         self.replacing = None  # the checkpoints in --save DIR this run replaces (saves.save decides at its first)
         self.tp = grid.tp if grid is not None else 1
         self.tp_group = grid.tp_group if self.tp > 1 else None
+        self.cp = grid.cp if grid is not None else 1
+        self.cp_group = grid.cp_group if self.cp > 1 else None
         self.global_rank = td.get_rank() if grid is not None else 0
-        world = grid.dp * grid.tp if grid is not None else 1
-        super().__init__(config=check(run, world), monitor=monitor, data_parallel=world // self.tp > 1,
+        world = grid.dp * grid.cp * grid.tp if grid is not None else 1
+        super().__init__(config=check(run, world), monitor=monitor, data_parallel=grid is not None and grid.dp > 1,
                          group=grid.dp_group if grid is not None else None, progress=False)
         self.zero = self.model if run.zero else None
 
     def build_model(self) -> torch.nn.Module:
-        return compose_model(super().build_model(), self.run, self.tp_group)
+        return compose_model(super().build_model(), self.run, self.tp_group, self.cp_group)
 
     def wrap_model(self) -> torch.nn.Module:
         if not self.run.zero:
@@ -68,10 +72,21 @@ class Capstone(Trainer):
                 stack.enter_context(checkpointed(self.module.transformer.h))
             if self.run.compress8:
                 stack.enter_context(compressed_activations(bits=8))
-            loss = self.model(x, y)[1]
+            loss = self.model(x, y)[1] if self.cp == 1 else self._context_parallel_loss(x, y)
         if self.run.moe:
             loss = loss + sum(b.mlp.aux for b in self.module.transformer.h)
         return loss
+
+    def _context_parallel_loss(self, x, y) -> torch.Tensor:
+        """--cp: the mean cross-entropy of this rank's tokens, whose gradient `clip` averages over the cp group
+        (every rank holds the same number of tokens, so the mean of the ranks' means is the sequence's mean). Its
+        value is that mean over the group already (the Trainer logs it; the gradient stays this rank's own)."""
+        logits = self.model(x)[0]  # (B, T/cp, V): the blocks and the head ran on this rank's tokens
+        y = y[:, cp_positions(y.shape[1], self.cp_group)]  # (B, T/cp)
+        mine = F.cross_entropy(logits.flatten(0, 1), y.flatten().long(), ignore_index=-1)  # ()
+        mean = mine.detach().clone()
+        td.all_reduce(mean, group=self.cp_group)
+        return mine + (mean / self.cp - mine.detach())
 
     def clip(self) -> torch.Tensor:
         """Global 2-norm over every rank's gradients: shards disjoint across a group (ZeRO's over the
@@ -80,6 +95,10 @@ class Capstone(Trainer):
         norm before clipping."""
         for block in self.module.transformer.h if self.run.sp else ():
             block.all_reduce_replicated_grads()  # --sp: the norms' and row biases' gradients are per-token partial
+        for p in self.params if self.cp > 1 else ():  # --cp: each rank's gradient is of its own tokens' mean
+            if p.grad is not None:
+                td.all_reduce(p.grad, group=self.cp_group)
+                p.grad.div_(self.cp)
         if self.zero is not None:
             sharded, replicated, group = self.zero.grad_shards(), [], self.group
         elif self.tp > 1:
@@ -98,8 +117,8 @@ class Capstone(Trainer):
     # --- sharded save / resume (llmlab.train.capstone.saves) ------------------------------------------------
 
     def layout(self) -> dict:
-        return dict(world_size=td.get_world_size() if self.grid is not None else 1, dp=self.world_size, tp=self.tp,
-                    zero=self.run.zero)
+        return dict(world_size=td.get_world_size() if self.grid is not None else 1, dp=self.world_size, cp=self.cp,
+                    tp=self.tp, zero=self.run.zero)
 
     def model_state(self) -> dict:
         """The model's state without ZeRO's parameters (their values live in its shards, saved as optimizer)."""

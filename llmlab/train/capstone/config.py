@@ -43,7 +43,9 @@ class RunConfig:
     seed: int = _flag(0, "seed of the model's initialisation and of the data", low=0)
     nproc: int = _flag(1, "local gloo/NCCL ranks to spawn (not under torchrun)", low=1, training=False)
     zero: int = _flag(0, "ZeRO stage over the data-parallel ranks", choices=(0, 1, 2, 3))
-    tp: int = _flag(1, "tensor-parallel degree (world = dp × tp)", low=1)
+    tp: int = _flag(1, "tensor-parallel degree (world = dp × cp × tp)", low=1)
+    cp: int = _flag(1, "context-parallel degree: each sequence cut over CP ranks (zig-zag), attention by the ring",
+                    low=1)
     sp: bool = _flag(False, "sequence parallelism with --tp (Megatron-SP: norms, dropouts, residuals on T/tp tokens)")
     checkpoint: bool = _flag(False, "activation checkpointing of every block")
     compress8: bool = _flag(False, "8-bit compression of saved activations")
@@ -105,7 +107,7 @@ def add_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 @dataclass(frozen=True)
 class Setup:
-    """What the rules look at: the flags, the TrainConfig they give, the model, and the world = dp × tp."""
+    """What the rules look at: the flags, the TrainConfig they give, the model, and the world = dp × cp × tp."""
 
     run: RunConfig
     train: TrainConfig
@@ -117,8 +119,12 @@ class Setup:
         return self.run.tp
 
     @property
+    def cp(self) -> int:
+        return self.run.cp
+
+    @property
     def dp(self) -> int:
-        return self.world // self.run.tp
+        return self.world // (self.run.tp * self.run.cp)
 
     def names(self) -> dict:
         """What a rule's message may name: every flag, the resolved precision, steps and batch size, the model's
@@ -139,7 +145,9 @@ class Rule(NamedTuple):
 
 # What does not compose, checked in this order: the first rule that holds is raised.
 RULES: tuple[Rule, ...] = tuple(Rule(*row) for row in (
-    (lambda s: s.world % s.tp, "--tp {tp} does not divide the world size {world} (world = dp × tp)"),
+    (lambda s: s.world % s.tp, "--tp {tp} does not divide the world size {world} (world = dp × cp × tp)"),
+    (lambda s: s.world % (s.tp * s.cp), "--cp {cp} × --tp {tp} does not divide the world size {world} "
+                                        "(world = dp × cp × tp)"),
     (lambda s: s.tp > 1 and (s.model.n_head % s.tp or s.model.n_embd % s.tp),
      "--tp {tp} does not divide the {preset} model's n_head={n_head} (or n_embd={n_embd}): each tensor-parallel "
      "rank takes n_head/tp whole heads"),
@@ -147,8 +155,13 @@ RULES: tuple[Rule, ...] = tuple(Rule(*row) for row in (
     (lambda s: s.run.sp and s.train.block_size % s.tp, "--sp with --tp {tp}: each tensor-parallel rank takes "
                                                        "block_size/tp tokens, and --block-size {block_size} is not "
                                                        "divisible by {tp}"),
-    (lambda s: s.train.batch_size % s.dp, "the data-parallel size {dp} (world {world} / --tp {tp}) does not divide "
-                                          "the batch size {batch_size} (--batch-size)"),
+    (lambda s: s.cp > 1 and s.tp > 1, "--cp {cp} with --tp {tp}: ring attention runs whole heads of a plain block; "
+                                      "inside the tensor-parallel block it is not supported"),
+    (lambda s: s.cp > 1 and s.train.block_size % (2 * s.cp), "--cp {cp}: the zig-zag layout cuts each sequence into "
+                                                             "2·cp chunks, and --block-size {block_size} is not "
+                                                             "divisible by 2·{cp}"),
+    (lambda s: s.train.batch_size % s.dp, "the data-parallel size {dp} (world {world} / (--cp {cp} × --tp {tp})) "
+                                          "does not divide the batch size {batch_size} (--batch-size)"),
     (lambda s: s.run.stop_at is not None and s.run.stop_at > s.train.steps, "--stop-at {stop_at} is past --steps "
                                                                             "{steps}"),
     (lambda s: s.run.zero and s.dp < 2, "--zero {zero} shards over data-parallel ranks: it needs a data-parallel "
@@ -161,6 +174,16 @@ RULES: tuple[Rule, ...] = tuple(Rule(*row) for row in (
     (lambda s: s.tp > 1 and s.train.precision == "fp16", "--tp {tp} with --precision fp16: each rank would detect "
                                                          "overflow in its own shard and the ranks could disagree on "
                                                          "skipping a step"),
+    (lambda s: s.cp > 1 and s.run.zero, "--cp {cp} with --zero {zero}: ZeRO shards over the data-parallel ranks "
+                                        "only, and the context-parallel ranks' gradients are averaged after it; not "
+                                        "supported together"),
+    (lambda s: s.cp > 1 and s.train.precision == "fp16", "--cp {cp} with --precision fp16: each rank would detect "
+                                                         "overflow in its own tokens' gradients and the ranks could "
+                                                         "disagree on skipping a step"),
+    (lambda s: s.cp > 1 and s.run.moe, "--cp {cp} with --moe: the balance loss is over a rank's own tokens; not "
+                                       "supported together"),
+    (lambda s: s.cp > 1 and s.run.compress8, "--cp {cp} with --compress8: the 8-bit compression would round the "
+                                             "logsumexp ring attention saves, which its backward rescales by"),
     (lambda s: s.tp > 1 and s.run.lora, "--tp {tp} with --lora: LoRA wraps nn.Linear layers, tensor parallelism "
                                         "replaces them with sharded ones"),
     (lambda s: s.tp > 1 and s.run.moe, "--tp {tp} with --moe: the Megatron block splits a dense MLP, not experts"),

@@ -39,7 +39,8 @@ class _PrintLoss:
 def run_rank(config: RunConfig, quiet: bool = False, heartbeat=dist.heartbeat) -> dict:
     """Train per `config` on this rank (alone, or inside an initialised process group); return a summary.
     `heartbeat()` is called after each update (the hang detector's)."""
-    grid = dist.Grid(dp=td.get_world_size() // config.tp, tp=config.tp) if td.is_initialized() else None
+    grid = (dist.Grid(dp=td.get_world_size() // (config.tp * config.cp), cp=config.cp, tp=config.tp)
+            if td.is_initialized() else None)
     rank = td.get_rank() if grid is not None else 0
     start = time.perf_counter()
     trainer = Capstone(config, grid, monitor=None if quiet else _PrintLoss(rank), heartbeat=heartbeat)

@@ -1,7 +1,7 @@
 """The parts the capstone's flags compose into the Trainer: model surgery (MoE MLPs, LoRA, fake quantization,
 Megatron blocks), ZeRO driven through the optimizer face the Trainer expects, and which gradients are shards.
 
-    model = compose_model(GPT(config), run, tp_group)      # --moe, --lora, --quant, --tp, in that order
+    model = compose_model(GPT(config), run, tp_group, cp_group)  # --moe, --lora, --quant, --tp or --cp, in order
     optimizer = ZeROOptimizer(zero)                        # --zero: the Trainer sets its LR, steps, saves it
     sharded, replicated = split_gradients(module, params)  # --tp: the Megatron weights are shards
 """
@@ -9,16 +9,18 @@ Megatron blocks), ZeRO driven through the optimizer face the Trainer expects, an
 from __future__ import annotations
 
 import torch
+import torch.distributed as td
 
 from llmlab.lora import apply_lora
 from llmlab.memory.zero import ZeRO
 from llmlab.moe import MoELayer
+from llmlab.parallel.context import ContextParallelAttention, positions
 from llmlab.parallel.sequence import gather_sequence, scatter_sequence
 from llmlab.parallel.tensor import ColumnParallelLinear, ParallelBlock, RowParallelLinear
 from llmlab.quant import LSQQuantizer, MinMaxQuantizer, QConfig, quantize_model
 from llmlab.train.capstone.config import RunConfig
 
-__all__ = ["MoEMLP", "compose_model", "ZeROOptimizer", "split_gradients"]
+__all__ = ["MoEMLP", "compose_model", "cp_positions", "ZeROOptimizer", "split_gradients"]
 
 
 class MoEMLP(torch.nn.Module):
@@ -36,11 +38,14 @@ class MoEMLP(torch.nn.Module):
         return y
 
 
-def compose_model(model: torch.nn.Module, run: RunConfig, tp_group=None) -> torch.nn.Module:
+def compose_model(model: torch.nn.Module, run: RunConfig, tp_group=None, cp_group=None) -> torch.nn.Module:
     """The GPT `model` (the same full model on every rank: same seed) with `run`'s parts swapped in, in place:
     --moe MLPs, --lora on the attention, --quant's fake-quantized linears, then --tp: every block sharded over
     `tp_group` (its size is `run.tp`); with --sp the first block cuts its input to this rank's tokens and the last
-    gathers its output whole again (forward hooks), so the embeddings and the head see the whole sequence."""
+    gathers its output whole again (forward hooks), so the embeddings and the head see the whole sequence.
+    --cp: every block's attention is the ring over `cp_group` and the first block cuts its input to this rank's
+    zig-zag positions; the rest of the model then runs on those tokens only, the head included (logits
+    (B, T/cp, V): `Capstone.loss` takes the targets at the same positions)."""
     blocks = model.transformer.h
     if run.moe:
         for block in blocks:
@@ -56,7 +61,16 @@ def compose_model(model: torch.nn.Module, run: RunConfig, tp_group=None) -> torc
     if run.sp:
         blocks[0].register_forward_pre_hook(lambda _, args: (scatter_sequence(args[0], tp_group),))
         blocks[-1].register_forward_hook(lambda _, args, out: gather_sequence(out, tp_group))
+    if run.cp > 1:
+        for block in blocks:
+            block.attn = ContextParallelAttention(block.attn, cp_group)
+        blocks[0].register_forward_pre_hook(lambda _, args: (args[0][:, cp_positions(args[0].shape[1], cp_group)],))
     return model
+
+
+def cp_positions(T: int, cp_group) -> torch.Tensor:
+    """The positions of a T-token sequence this rank holds under --cp (zig-zag over `cp_group`): (T/cp,)."""
+    return positions(T, td.get_rank(cp_group), td.get_world_size(cp_group), "zigzag")
 
 
 class ZeROOptimizer:

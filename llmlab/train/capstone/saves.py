@@ -4,12 +4,14 @@
     DIR/step-N/manifest.pt    written by rank 0 once every rank file is: the layout, the update count, the flags
 
 How a checkpoint becomes current (an atomic rename of its folder, the K newest kept) is `checkpoints`'. Each file is
-written atomically (llmlab.train.state). The layout is {world_size, dp, tp, zero}: rank g is tensor-parallel rank
-g % tp of data-parallel replica g // tp (llmlab.dist.Grid's). Resuming on the same layout loads each rank's own
-file (bit-exact); on another data-parallel size, a data-parallel rank loads a replica's file of its tensor-parallel
-rank, and ZeRO re-shards every saved rank's optimizer state (`ZeRO.load_state_dict` with the list of them).
-Anything else (other --tp or --zero, other flags, a missing, truncated, forged or foreign file) is refused with a
-ValueError naming both sides. Every field of a manifest is checked (type and value) before it is used.
+written atomically (llmlab.train.state). The layout is {world_size, dp, cp, tp, zero}: rank g is tensor-parallel
+rank g % tp of context-parallel rank g // tp % cp of data-parallel replica g // (cp·tp) (llmlab.dist.Grid's).
+Resuming on the same layout loads each rank's own file (bit-exact); on another data-parallel size, a data-parallel
+rank loads a replica's file of its tensor- and context-parallel rank, and ZeRO re-shards every saved rank's
+optimizer state (`ZeRO.load_state_dict` with the list of them).
+Anything else (other --tp, --cp or --zero, other flags, a missing, truncated, forged or foreign file) is refused
+with a ValueError naming both sides. Every field of a manifest is checked (type and value) before it is used. A save
+from before --sp and --cp existed (no such flags, no cp in its layout) reads as --cp 1 without --sp: `ADDED`.
 
 Test hook: LLMLAB_TEST_KILL_AT=PHASE:N SIGKILLs a rank in the save of update N at PHASE, one of `PHASES`
 (llmlab.train.state.kill_point; tests/test_train_saves.py).
@@ -33,11 +35,18 @@ __all__ = ["PHASES", "describe", "read_manifest", "check_resume", "replaced", "s
 # where a save can be killed: writing a rank file, after the rank files (before the manifest), after the manifest
 # (before the commit's rename), after the commit (before older checkpoints are pruned)
 PHASES = ("rank-file", "before-manifest", "after-manifest", "after-commit")
-_LAYOUT = ("world_size", "dp", "tp", "zero")
+_LAYOUT = ("world_size", "dp", "cp", "tp", "zero")
+ADDED = {"sp": False, "cp": 1}  # flags (and the layout's cp) added after the first saves: what their absence meant
 
 
 def describe(layout: dict) -> str:
-    return f"world {layout['world_size']} = dp {layout['dp']} × tp {layout['tp']}, zero {layout['zero']}"
+    cp = f" × cp {layout['cp']}" if layout["cp"] > 1 else ""
+    return f"world {layout['world_size']} = dp {layout['dp']}{cp} × tp {layout['tp']}, zero {layout['zero']}"
+
+
+def _with_added(layout):
+    """A saved layout, with cp = 1 where it predates --cp (anything but a dict is left to be refused)."""
+    return {"cp": 1, **layout} if isinstance(layout, dict) else layout
 
 
 def _typed(hint, value) -> bool:
@@ -54,9 +63,9 @@ def _manifest_problem(manifest, folder: Path) -> str | None:
     layout, step, flags = manifest["layout"], manifest["step"], manifest["flags"]
     if not (isinstance(layout, dict) and set(layout) == set(_LAYOUT)
             and all(type(layout[k]) is int and layout[k] >= (k != "zero") for k in _LAYOUT)):
-        return f"layout {layout!r} is not {{world_size, dp, tp, zero}} of positive ints"
-    if layout["dp"] * layout["tp"] != layout["world_size"] or layout["zero"] > 3:
-        return f"layout {layout!r} is impossible (world_size = dp × tp, zero 0-3)"
+        return f"layout {layout!r} is not {{world_size, dp, cp, tp, zero}} of positive ints"
+    if layout["dp"] * layout["cp"] * layout["tp"] != layout["world_size"] or layout["zero"] > 3:
+        return f"layout {layout!r} is impossible (world_size = dp × cp × tp, zero 0-3)"
     hints = get_type_hints(RunConfig)
     names = [f.name for f in fields(RunConfig) if f.metadata["training"]]
     if not isinstance(flags, dict) or set(flags) != set(names):
@@ -68,8 +77,9 @@ def _manifest_problem(manifest, folder: Path) -> str | None:
         train = check(RunConfig(**flags), layout["world_size"])
     except ValueError as e:
         return f"its flags are refused: {e}"
-    if (flags["tp"], flags["zero"]) != (layout["tp"], layout["zero"]):
-        return f"flags --tp {flags['tp']} --zero {flags['zero']} do not match layout {describe(layout)}"
+    if (flags["tp"], flags["cp"], flags["zero"]) != (layout["tp"], layout["cp"], layout["zero"]):
+        return f"flags --tp {flags['tp']} --cp {flags['cp']} --zero {flags['zero']} do not match layout " \
+               f"{describe(layout)}"
     if type(step) is not int or not 0 <= step <= train.steps:
         return f"step {step!r} is not an update count from 0 to --steps {train.steps}"
     named = checkpoints.step_dir(folder.parent, step).name
@@ -84,6 +94,8 @@ def read_manifest(path) -> dict:
     folder = checkpoints.resolve(path)
     file = folder / checkpoints.MANIFEST
     manifest = state_file.read_state(file)
+    if isinstance(manifest, dict) and isinstance(manifest.get("flags"), dict):
+        manifest = dict(manifest, layout=_with_added(manifest.get("layout")), flags={**ADDED, **manifest["flags"]})
     problem = _manifest_problem(manifest, folder)
     if problem:
         raise ValueError(f"{file} is not a valid capstone manifest: {problem}")
@@ -91,12 +103,13 @@ def read_manifest(path) -> dict:
 
 
 def check_resume(manifest: dict, config: RunConfig, world_size: int, path) -> None:
-    """Refuse (ValueError) resuming `manifest`'s save with other --tp/--zero (naming both layouts) or flags."""
+    """Refuse (ValueError) resuming `manifest`'s save with other --tp/--cp/--zero (naming both layouts) or flags."""
     saved = manifest["layout"]
-    here = dict(world_size=world_size, dp=world_size // config.tp, tp=config.tp, zero=config.zero)
-    if (saved["tp"], saved["zero"]) != (here["tp"], here["zero"]):
+    here = dict(world_size=world_size, dp=world_size // (config.tp * config.cp), cp=config.cp, tp=config.tp,
+                zero=config.zero)
+    if any(saved[k] != here[k] for k in ("tp", "cp", "zero")):
         raise ValueError(f"--resume {path} holds layout {describe(saved)}; this run is {describe(here)}: only "
-                         "the data-parallel size may change on resume (same --tp and --zero)")
+                         "the data-parallel size may change on resume (same --tp, --cp and --zero)")
     flags = config.flags()
     if manifest["flags"] != flags:
         diff = ", ".join(f"--{k.replace('_', '-')}: saved {v!r}, here {flags.get(k)!r}"
@@ -174,7 +187,7 @@ def load(trainer, path) -> None:
         ranks = list(range(theirs["world_size"]))  # ZeRO: every saved shard, re-cut for this world
     states = [state_file.read_state(folder / f"rank{r}.pt") for r in ranks]
     for r, s in zip(ranks, states, strict=True):
-        if not isinstance(s, dict) or s.get("layout") != theirs or s.get("step") != manifest["step"]:
+        if not isinstance(s, dict) or _with_added(s.get("layout")) != theirs or s.get("step") != manifest["step"]:
             found = (s.get("layout"), s.get("step")) if isinstance(s, dict) else type(s).__name__
             raise ValueError(f"{folder}/rank{r}.pt ({found}) does not belong to the manifest's save (layout "
                              f"{theirs}, step {manifest['step']})")
