@@ -1,17 +1,17 @@
 """Chapter 5's exercise checks (llmlab.checks.ch05): each passes a right answer, reports an unwritten one as not
-attempted, and fails each named mistake — the FP32 column, a forward-only step, MFU left out; Gb/s read as GB/s,
-NVLink's two directions added, PCIe's one direction halved, the ring's 2(n−1)/n factor left out, 4-byte gradients
-for 2 and 2 for 4; communication overlapped, TP all-reduces miscounted, links swapped, hours for days, a flat ring
-where each GPU has its own NIC, the hierarchical all-reduce where a node has one, a shared NIC priced as free, a
-one-node ring on the NIC's link; the pipeline's bubble missing, taken of the whole step, put on the DP all-reduce,
-its sends missing or summed over every boundary, a stage's layers or gradients counted for the whole model — with
-its message and the hint; answers computed in float32 pass."""
+attempted, and fails each named mistake — the FP32 column, a forward-only step, MFU left out; a flat ring over the
+NIC where each GPU has its own and the hierarchical all-reduce where a node has one, the whole gradient across the
+nodes, Gb/s read as GB/s, NVLink's two directions added, the rings' (k−1)/k left out, the latency left out, a phase
+or two left out, a ring across the nodes over every GPU, the links swapped; communication overlapped, TP all-reduces
+miscounted, links swapped, hours for days, a flat ring where each GPU has its own NIC, the hierarchical all-reduce
+where a node has one, a shared NIC priced as free, a one-node ring on the NIC's link; the pipeline's bubble missing,
+taken of the whole step, put on the DP all-reduce, its sends missing or summed over every boundary, a stage's layers
+or gradients counted for the whole model — with its message and the hint; answers computed in float32 pass."""
 
 import random
 
 import numpy as np
 import pytest
-import torch
 from check_answers import Mistake, Reference
 from grading import not_attempted
 
@@ -33,42 +33,69 @@ def compute_seconds(n_params, tokens, gpus, gpu, mfu, column="bf16_tflops", flop
 
 # --- 5.2 ----------------------------------------------------------------------------------------------------
 
-BYTES_PER_S = {"GB/s per direction": 1e9, "GB/s both directions": 0.5e9, "Gb/s per direction": 1e9 / 8}
+PHASES = ("reduce-scatter", "across nodes", "all-gather")
 
 
-def allreduce(n_params, dtype, n, bandwidth, unit, alpha, per_s=BYTES_PER_S, size=None, factor=True):
-    nbytes = n_params * (size or dtype.itemsize)
-    return 2 * (n - 1) * alpha + (2 * (n - 1) / n if factor else 1) * nbytes / (bandwidth * per_s[unit])
+def hierarchical(nbytes, nodes, per_node, nvlink_gbs, nic_gbps, nvlink_alpha, nic_alpha, network="nic-per-gpu",
+                 nvlink_per_s=0.5e9, nic_per_s=1e9 / 8, factor=True, latency=True, shard=True, across_all=False,
+                 phases=PHASES, flat=None, swap=False, flat_factor=True):
+    """The exercise's solution; each keyword after `network` plants a mistake: bytes/s per unit of each figure, the
+    rings' (k−1)/k, the α's, S/g across the nodes, a ring across over all n GPUs, the phases kept, a flat ring (True)
+    or the hierarchical one (False) whatever the network, the links swapped, the flat ring's 2(n−1)/n alone."""
+    node, nic = (nvlink_alpha if latency else 0, nvlink_gbs * nvlink_per_s), (nic_alpha if latency else 0,
+                                                                               nic_gbps * nic_per_s)
+    if swap:
+        node, nic = nic, node
+    g, m = per_node, nodes
+
+    def ring_pass(size, k, link, factor=factor):
+        return (k - 1) * link[0] + ((k - 1) / k if factor else 1) * size / link[1]
+
+    if (network == "nic-per-node" if flat is None else flat) and m > 1:
+        return 2 * ring_pass(nbytes, g * m, nic, factor and flat_factor)
+    parts = {"reduce-scatter": ring_pass(nbytes, g, node), "all-gather": ring_pass(nbytes, g, node),
+             "across nodes": 2 * ring_pass(nbytes / g if shard else nbytes, g * m if across_all else m, nic)}
+    return sum(parts[phase] for phase in phases)
 
 
-def no_latency(n_params, dtype, n, bandwidth, unit, alpha):
-    return allreduce(n_params, dtype, n, bandwidth, unit, 0.0)
-
-
-def allreduce32(n_params, dtype, n, bandwidth, unit, alpha):
+def hierarchical32(nbytes, nodes, per_node, nvlink_gbs, nic_gbps, nvlink_alpha, nic_alpha, network="nic-per-gpu"):
     """The right formula computed in float32 throughout (NumPy keeps float32 against Python scalars)."""
     f = np.float32
-    return allreduce(f(n_params), dtype, n, f(bandwidth), unit, f(alpha), per_s={k: f(v) for k, v in
-                                                                                  BYTES_PER_S.items()})
+    return hierarchical(f(nbytes), nodes, per_node, f(nvlink_gbs), f(nic_gbps), f(nvlink_alpha), f(nic_alpha),
+                        network, nvlink_per_s=f(0.5e9), nic_per_s=f(1e9 / 8))
 
 
 def test_a_mistake_that_fits_two_explanations_names_both():
-    _, mistakes = ch05._allreduce_reference(1e9, torch.float32, 8, 900, "GB/s both directions", 0.6e-6)
-    bidirectional = next(v for v, text in mistakes if "adds both directions" in text)
-    with pytest.raises(ch05.Mismatch, match="bytes per element, not 2 — or: 900 GB/s adds both directions"):
-        ch05._compare(bidirectional, 1.0, "x", mistakes)
+    with pytest.raises(ch05.Mismatch, match="expected 2 s: one — or: two"):
+        ch05._compare(1.0, 2.0, "x", [(1.0, "one"), (3.0, "three"), (1.0, "two")])
 
 
-def test_link_quotes_are_the_vendors_figures_and_give_the_librarys_times():
-    assert ch05.link_quote("nvlink4") == (SPECS["H100 SXM"].link_gbs, "GB/s both directions")
-    assert ch05.link_quote("nvlink3") == (SPECS["A100 SXM"].link_gbs, "GB/s both directions")
+def test_the_reference_prices_the_spec_sheets_nvlink_as_llmlab_does():
+    assert ch05.nvlink("H100 SXM")[:2] == cost.LINKS["nvlink4"][:2]
+    assert ch05.nvlink("A100 SXM")[:2] == cost.LINKS["nvlink3"][:2]
+    assert ch05.nvlink("B200").beta == 1 / 900e9  # 1800 GB/s both directions
     assert ch05.link_quote("rdma100") == (100, "Gb/s per direction")
-    for key in cost.LINKS:  # the reference of 5.2, from the quote, is C15's time over that link
-        bandwidth, unit = ch05.link_quote(key)
-        want, _ = ch05._allreduce_reference(7e9, torch.bfloat16, 64, bandwidth, unit, cost.LINKS[key].alpha)
-        assert want == pytest.approx(cost.gradient_allreduce_times(7e9, 64)[key], rel=1e-12)  # only rounding
+    want, split, _ = ch05._hierarchical_reference(14e9, 8, 8, "H100 SXM", "rdma100", "nic-per-gpu")
+    assert want == pytest.approx(cluster.allreduce_time(14e9, 64, 8, "nic-per-gpu", "rdma100", "nvlink4"), rel=1e-15)
+    assert want == pytest.approx(0.30, abs=0.005)  # issue 19's arithmetic (tests/test_hardware_cluster.py)
+    assert split.startswith("reduce-scatter 0.0272") and " + across nodes 0.245" in split
+    with pytest.raises(ValueError, match="gpu='MI250X' is not one of the NVLink GPUs"):
+        ch05.nvlink("MI250X")
     with pytest.raises(ValueError, match="key='nvlink9' is not a link"):
         ch05.link_quote("nvlink9")
+
+
+def test_the_allreduce_cases_cover_the_edges():
+    fixed = ch05._hierarchical_cases(random.Random(0))[:5]
+    assert [(nodes, per_node, network) for _, nodes, per_node, _, _, network in fixed] == [
+        (8, 8, "nic-per-gpu"), (8, 8, "nic-per-node"), (16, 1, "nic-per-gpu"), (1, 8, "nic-per-gpu"),
+        (3, 4, "nic-per-gpu")]
+    drawn = [case for seed in range(20) for case in ch05._hierarchical_cases(random.Random(seed))[5:]]
+    assert {1, 2} <= {nodes for _, nodes, *_ in drawn} and any(nodes % 2 and nodes > 1 for _, nodes, *_ in drawn)
+    assert {per_node for _, _, per_node, *_ in drawn} == {1, 2, 4, 8}
+    assert {gpu for *_, gpu, _, _ in drawn} == {"A100 SXM", "H100 SXM", "H200 SXM", "B200"}
+    assert {nic for *_, nic, _ in drawn} == set(cost.NETWORK_LINKS)
+    assert {network for *_, network in drawn} == set(cluster.NETWORKS)
 
 
 # --- 5.3 ----------------------------------------------------------------------------------------------------
@@ -170,10 +197,9 @@ def test_no_named_mistake_is_within_float32_rounding_of_the_answer():
     """The tolerance admits float32 (tests: the float32 references below pass); no named mistake may be that close
     in a fixed case, or a wrong answer could pass as float32 rounding: each is either exactly the answer there (it
     does not apply) or at least 5× the tolerance away."""
-    for n_params, dtype, n, key in ch05._allreduce_cases(random.Random(0))[:5]:
-        bandwidth, unit = ch05.link_quote(key)
-        want, mistakes = ch05._allreduce_reference(n_params, dtype, n, bandwidth, unit, cost.LINKS[key].alpha)
-        assert all(d < 1e-12 or d > 5 * ch05.REL_TOL for d in _margins(want, mistakes)), key
+    for case in ch05._hierarchical_cases(random.Random(0))[:5]:
+        want, _, mistakes = ch05._hierarchical_reference(*case)
+        assert all(d < 1e-12 or d > 5 * ch05.REL_TOL for d in _margins(want, mistakes)), case
     for c in ch05.training_cases(random.Random(0))[:5]:
         t = cluster.step_time(c)
         assert all(d < 1e-12 or d > 5 * ch05.REL_TOL for d in _margins(t.total, ch05._step_mistakes(c, t))), c
@@ -187,7 +213,7 @@ def test_a_rejection_shows_the_digits_that_differ():
 
 # --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
 
-COMPUTE_HINT, ALLREDUCE_HINT, TRAINING_HINT = "not the FP32 column", "2(n−1)·α + 2(n−1)/n · S/B", "nothing overlaps"
+COMPUTE_HINT, ALLREDUCE_HINT, TRAINING_HINT = "not the FP32 column", "2(m−1)/m·(S/g)/B", "nothing overlaps"
 ANSWERS = [
     Reference(ch05.compute_seconds, compute_seconds),
     Mistake(ch05.compute_seconds, lambda *a: compute_seconds(*a, column="fp32_tflops"),
@@ -200,23 +226,31 @@ ANSWERS = [
             match="the 2:4-sparse tensor figure", hint=COMPUTE_HINT),
     Mistake(ch05.compute_seconds, lambda *a: "slow", match="got str 'slow', expected a number", hint=COMPUTE_HINT),
 
-    Reference(ch05.allreduce_seconds, allreduce),
-    Reference(ch05.allreduce_seconds, allreduce32),
-    Mistake(ch05.allreduce_seconds, lambda *a: allreduce(*a, per_s=BYTES_PER_S | {"Gb/s per direction": 1e9}),
-            match=r"100 Gb/s is gigabits per second: divide by 8 for bytes \(100 Gb/s = 12.5 GB/s\)",
-            hint=ALLREDUCE_HINT),
-    Mistake(ch05.allreduce_seconds, lambda *a: allreduce(*a, per_s=BYTES_PER_S | {"GB/s both directions": 1e9}),
-            match="600 GB/s adds both directions; .* at 300 GB/s", hint=ALLREDUCE_HINT),
-    Mistake(ch05.allreduce_seconds, lambda *a: allreduce(*a, factor=False),
-            match=r"the bandwidth term is S/B: a ring all-reduce sends 2\(n−1\)/n · S", hint=ALLREDUCE_HINT),
-    Mistake(ch05.allreduce_seconds, lambda *a: allreduce(*a, size=4),
-            match="the gradients are torch.bfloat16: 2 bytes per element, not 4", hint=ALLREDUCE_HINT),
-    Mistake(ch05.allreduce_seconds, lambda *a: allreduce(*a, per_s=BYTES_PER_S | {"GB/s per direction": 0.5e9}),
-            match="31.5 GB/s is already one direction's bandwidth", hint=ALLREDUCE_HINT),
-    Mistake(ch05.allreduce_seconds, lambda *a: allreduce(*a, size=2),
-            match="the gradients are torch.float32: 4 bytes per element, not 2", hint=ALLREDUCE_HINT),
-    Mistake(ch05.allreduce_seconds, no_latency, match=r"the latency is missing: 2\(n−1\) = 14 messages",
-            hint=ALLREDUCE_HINT),
+    Reference(ch05.hierarchical_allreduce, hierarchical),
+    Reference(ch05.hierarchical_allreduce, hierarchical32),
+    *[Mistake(ch05.hierarchical_allreduce, lambda *a, m=mistake: hierarchical(*a, **m), match=match,
+              hint=ALLREDUCE_HINT)
+      for mistake, match in [
+          (dict(flat=True), "that is one flat ring through all 64 GPUs at the NIC's speed, the time with one NIC per "
+                            "node"),
+          (dict(flat=False), "that is the hierarchical all-reduce of a NIC per GPU; with one NIC per node"),
+          (dict(shard=False), "the full S crosses the nodes: after the reduce-scatter each GPU holds S/g, its 1/8 "
+                              "shard"),
+          (dict(nic_per_s=1e9), "100 Gb/s is gigabits per second: divide by 8 for bytes"),
+          (dict(nvlink_per_s=1e9), "900 GB/s adds both directions of the H100 SXM's links; a ring sends one way, "
+                                   "at 450 GB/s"),
+          (dict(factor=False), r"the bandwidth terms lack \(k−1\)/k"),
+          (dict(latency=False), "the latency is missing"),
+          (dict(phases=PHASES[1:]), "a phase is missing: the reduce-scatter inside the node"),
+          (dict(phases=PHASES[:2]), "a phase is missing: the reduce-scatter inside the node"),
+          (dict(phases=PHASES[1:2]), "the phases inside the node are missing"),
+          (dict(phases=PHASES[::2]), "the all-reduce across the nodes is missing"),
+          (dict(across_all=True), "the ring across the nodes has one GPU of each node: m = 8 ranks, not all n = 64"),
+          (dict(swap=True), "the links are swapped"),
+      ]],
+    Mistake(ch05.hierarchical_allreduce, lambda *a: hierarchical(*a, flat_factor=False),
+            match=r"the bandwidth term is 2·S/B: a ring of n = 64", hint=ALLREDUCE_HINT),
+    Mistake(ch05.hierarchical_allreduce, lambda *a: (1.0, 2.0, 3.0), match="got tuple", hint=ALLREDUCE_HINT),
 
     Reference(ch05.training_time, training_time),
     Reference(ch05.training_time, training_time32),
@@ -251,6 +285,6 @@ ANSWERS = [
 ]
 
 
-@pytest.mark.parametrize("check", [ch05.compute_seconds, ch05.allreduce_seconds, ch05.training_time])
+@pytest.mark.parametrize("check", [ch05.compute_seconds, ch05.hierarchical_allreduce, ch05.training_time])
 def test_an_unwritten_answer_is_not_attempted(check, capsys):
     not_attempted(check, unwritten, capsys=capsys)

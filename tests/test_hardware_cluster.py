@@ -124,6 +124,22 @@ def test_hierarchical_never_slower_than_the_flat_ring(nbytes, g, m, link, node_l
     assert cluster.allreduce_time(nbytes, g * m, g, "nic-per-gpu", slower, node_link) >= hierarchical
 
 
+def test_allreduce_phases_add_up_to_allreduce_time_over_links_given_by_alpha_and_beta():
+    nv, nic = cost.LINKS["nvlink4"], cost.LINKS["rdma100"]
+    phases = cluster.allreduce_phases(14e9, 64, 8, "nic-per-gpu", nic, nv)
+    assert list(phases) == ["reduce-scatter", "across nodes", "all-gather"]
+    assert phases["reduce-scatter"] == phases["all-gather"] == cost.all_gather_time(14e9, 8, nv.alpha, nv.beta)
+    assert phases["across nodes"] == cost.ring_allreduce_time(14e9 / 8, 8, nic.alpha, nic.beta)  # S/g on each NIC
+    assert sum(phases.values()) == cluster.allreduce_time(14e9, 64, 8, "nic-per-gpu", "rdma100", "nvlink4")
+    assert list(cluster.allreduce_phases(14e9, 64, 8, "nic-per-node", nic, nv)) == ["flat ring"]
+    assert list(cluster.allreduce_phases(14e9, 8, 8, "nic-per-gpu", nic, nv)) == ["ring in the node"]
+    b200 = cost.Link(nv.alpha, 1 / 900e9, "NVLink 5", "B200 spec sheet: 1800 GB/s both directions")
+    assert cluster.allreduce_phases(14e9, 64, 8, "nic-per-gpu", nic, b200)["reduce-scatter"] == pytest.approx(
+        phases["reduce-scatter"] / 2, rel=1e-3)  # twice NVLink 4's bandwidth; α is 0.02% of the phase
+    with pytest.raises(ValueError, match="nic='rdma100' must be a cost.Link"):
+        cluster.allreduce_phases(14e9, 64, 8, "nic-per-gpu", "rdma100", nv)
+
+
 def test_allreduce_time_names_a_bad_argument():
     with pytest.raises(ValueError, match="network='infiniband'"):
         cluster.allreduce_time(1e9, 16, 8, "infiniband", "rdma100")

@@ -1,30 +1,29 @@
 """Checks for chapter 5's exercises (solutions/05_hardware.ipynb): a step's compute, its all-reduce, a run's days.
 
     from llmlab.checks import ch05 as check
-    check.compute_seconds(compute_seconds)                  # 5.1
-    check.allreduce_seconds(gradient_allreduce_seconds)     # 5.2
-    check.training_time(training_time)                      # 5.3
+    check.compute_seconds(compute_seconds)                           # 5.1
+    check.hierarchical_allreduce(hierarchical_allreduce_time)        # 5.2
+    check.training_time(training_time)                               # 5.3
 
-Each check compares the learner's answer with llmlab's own (llmlab.flops, llmlab.dist.cost's α-β model,
-llmlab.hardware.cluster.step_time) on the material's cases first — GPT-3 on 1024 A100s, a 7B model over "A100 NVLink
-600 GB/s" and "100 Gbps RDMA" — then on fresh random ones. When an answer matches a known mistake it says so: the
-spec sheet's FP32 column instead of bf16 dense, 2·N instead of 6·N, MFU left out; Gb/s read as GB/s, NVLink's
-total of both directions used as one direction, a per-direction figure halved, the ring's 2(n−1)/n factor left out,
-the wrong bytes per gradient; communication assumed hidden behind compute, Megatron's TP all-reduces miscounted,
-the links swapped, a flat ring priced where each GPU has a NIC of its own (or the reverse), one NIC's sharing left
-out, a ring inside one node priced on the NIC's link; the pipeline's bubble left out or taken as a share of the busy
-time, put on the gradient all-reduce too, its stage sends left out or summed over every boundary, a stage's TP
-all-reduces or gradients counted for the whole model. Where one wrong answer fits two mistakes (it can, e.g. fp32
-gradients counted as bf16 over a quoted bidirectional link), both are named. An answer computed in float32 passes
-(the tolerance is argued at REL_TOL).
+Each check compares the learner's answer with llmlab's own (llmlab.flops, llmlab.hardware.cluster's all-reduce
+phases and step_time) on the material's cases first — GPT-3 on 1024 A100s, a 7B model's gradients over H100 NVLink
+and "100 Gbps RDMA" — then on fresh random ones. When an answer matches a known mistake it says so: the spec sheet's
+FP32 column instead of bf16 dense, 2·N instead of 6·N, MFU left out; Gb/s read as GB/s, NVLink's total of both
+directions used as one direction, the rings' (k−1)/k factors left out, the latency left out, a flat ring over the
+NIC where each GPU has its own (or the reverse), the whole gradient sent across the nodes instead of one GPU's shard,
+a ring across the nodes over every GPU, a phase or both of the node's left out, the links swapped; communication
+assumed hidden behind compute, Megatron's TP all-reduces miscounted, the links swapped, a flat ring priced where each
+GPU has a NIC of its own (or the reverse), one NIC's sharing left out, a ring inside one node priced on the NIC's
+link; the pipeline's bubble left out or taken as a share of the busy time, put on the gradient all-reduce too, its
+stage sends left out or summed over every boundary, a stage's TP all-reduces or gradients counted for the whole
+model. Where one wrong answer fits two mistakes, both are named. An answer computed in float32 passes (the tolerance
+is argued at REL_TOL).
 """
 
 from __future__ import annotations
 
 import math
 import random
-
-import torch
 
 from llmlab import flops
 from llmlab.checks import Hint, Mismatch, check, fresh_rng, number
@@ -33,22 +32,21 @@ from llmlab.hardware import SPECS, cluster
 from llmlab.model import GPTConfig
 from llmlab.parallel.pipeline import bubble_fraction
 
-__all__ = ["compute_seconds", "allreduce_seconds", "training_time", "UNITS", "link_quote", "training_cases"]
+__all__ = ["compute_seconds", "hierarchical_allreduce", "training_time", "link_quote", "nvlink", "training_cases"]
 
 # bytes per second, in one direction, that one unit of a quoted link figure stands for
 _BYTES_PER_S = {"GB/s per direction": 1e9, "GB/s both directions": 0.5e9, "Gb/s per direction": 1e9 / 8}
-UNITS = tuple(_BYTES_PER_S)
 _NODE_LINKS = ("nvlink4", "nvlink3", "pcie5", "pcie4")  # inside one 8-GPU node
 _NETWORK_LINKS = ("rdma100", "rdma200", "ib_ndr400")  # across nodes
 _ACCELERATORS = ("A100 SXM", "H100 SXM", "H100 PCIe", "H200 SXM", "B200", "MI250X", "MI250")
+_HGX = ("A100 SXM", "H100 SXM", "H200 SXM", "B200")  # sold in 8-GPU NVLink (NVSwitch) nodes, a NIC per GPU
 
 
 # float32 has eps = 1.19e-7: each rounded operation errs by at most eps/2 relative, and an answer here takes ~20
 # multiplications, divisions and sums of positive terms (nothing cancels), so a float32 computation is within
 # 20 · 6e-8 ≈ 1.2e-6 of the float64 one; 1e-5 leaves an 8× margin. Every named mistake differs by far more in at
 # least one fixed case (tests/test_checks_ch05.py measures the margin): the smallest, 5.2's missing latency, is
-# 1.0e-4 of the time in the material's NVLink case and about a third of it in the 1M-parameter case; 1e-15 s lets a
-# 0 s all-reduce be 0
+# 1.5e-4 of the time in C15's case and most of it in the 4 MB case; 1e-15 s lets a 0 s all-reduce be 0
 REL_TOL = 1e-5
 
 
@@ -56,14 +54,16 @@ def _close(got: float, want: float) -> bool:
     return math.isclose(got, want, rel_tol=REL_TOL, abs_tol=1e-15)
 
 
-def _compare(got: float, want: float, what: str, mistakes: list[tuple[float, str]], unit: str = " s") -> None:
-    """Pass if `got` is `want`; else raise Mismatch naming every mistake whose value `got` equals."""
+def _compare(got: float, want: float, what: str, mistakes: list[tuple[float, str]], unit: str = " s",
+             split: str = "") -> None:
+    """Pass if `got` is `want`; else raise Mismatch naming every mistake whose value `got` equals (`split`: what
+    `want` is made of, shown after it)."""
     if _close(got, want):
         return
     known = [text for value, text in mistakes if _close(got, value)]
     off = f" ({got / want - 1:+.2g} relative)" if want and abs(got / want - 1) < 1e-3 else ""  # a near miss
-    raise Mismatch(f"{what} = {got:.9g}{unit}, expected {want:.9g}{unit}{off}" + (": " + " — or: ".join(known)
-                                                                                  if known else ""))
+    raise Mismatch(f"{what} = {got:.9g}{unit}, expected {want:.9g}{unit}{off}" + (f" ({split})" if split else "")
+                   + (": " + " — or: ".join(known) if known else ""))
 
 
 # --- 5.1: the compute time of a training step ------------------------------------------------------------------
@@ -107,7 +107,7 @@ def compute_seconds(fn):
         _compare(got, want, what, mistakes)
 
 
-# --- 5.2: the gradient all-reduce over a link, from the vendor's figure ---------------------------------------
+# --- 5.2: a hierarchical all-reduce across nodes, from the spec sheets' figures ---------------------------------
 
 def link_quote(key: str) -> tuple[float, str]:
     """How LINKS[key]'s bandwidth is quoted: (figure, unit). NVLink as spec sheets do (both directions added: 900
@@ -122,70 +122,116 @@ def link_quote(key: str) -> tuple[float, str]:
     return round(1 / cost.LINKS[key].beta / _BYTES_PER_S[unit], 6), unit  # rounded: 900.0, not 900.0000000001
 
 
-def _allreduce_cases(rng: random.Random):
-    cases = [(7e9, torch.bfloat16, 8, "nvlink3"),  # the material's "A100 NVLink 600 GB/s", one node
-             (7e9, torch.bfloat16, 64, "rdma100"),  # its "at least 100 Gbps RDMA", 8 nodes (C15)
-             (1.3e9, torch.bfloat16, 8, "pcie4"),  # a figure already per direction: halving it is a mistake
-             (1e6, torch.float32, 16, "ib_ndr400"),  # 4-byte gradients; so few bytes that latency is a third
-             (1.3e9, torch.float32, 1, "ib_ndr400")]  # one rank: nothing to send
+def nvlink(gpu: str) -> cost.Link:
+    """The NVLink of an 8-GPU HGX/DGX node of `gpu` (a key of SPECS) as a cost.Link: β from the spec sheet's
+    `link_gbs` (both directions of all links added, so half of it each way), α NCCL's NVLink latency."""
+
+    if gpu not in _HGX:
+        raise ValueError(f"gpu={gpu!r} is not one of the NVLink GPUs {', '.join(_HGX)}")
+    spec = SPECS[gpu]
+    return cost.Link(cost.LINKS["nvlink4"].alpha, 1 / (spec.link_gbs_per_direction * 1e9), spec.link, spec.source)
+
+
+def _hierarchical_cases(rng: random.Random):
+    """(nbytes, nodes, per_node, gpu, nic, network) of the 5.2 check: the material's and C15's first, then fresh."""
+
+    gpt3 = cluster.PRESETS["gpt3-175b-1024xA100"]
+    cases = [(14e9, 8, 8, "H100 SXM", "rdma100", "nic-per-gpu"),  # C15: a 7B model's bf16 gradients, 8 nodes of 8
+             (14e9, 8, 8, "H100 SXM", "rdma100", "nic-per-node"),  # the same with one NIC per node: a flat ring
+             (gpt3.n_params / (gpt3.tp * gpt3.pp) * 2, gpt3.dp, 1, gpt3.gpu, gpt3.link, "nic-per-gpu"),  # GPT-3's dp
+             (14e9, 1, 8, "B200", "ib_ndr400", "nic-per-gpu"),  # the same in one node of B200s: no NIC on the way
+             (4e6, 3, 4, "H200 SXM", "ib_ndr400", "nic-per-gpu")]  # 3 nodes of 4 GPUs, so few bytes latency counts
     for _ in range(8):
-        key = rng.choice(_NODE_LINKS + _NETWORK_LINKS)
-        n = rng.randint(2, 8) if key in _NODE_LINKS else rng.choice([2, rng.randint(3, 64), rng.randint(65, 2048)])
-        cases.append((float(rng.randint(10**8, 2 * 10**11)), rng.choice([torch.bfloat16, torch.float16,
-                                                                        torch.float32]), n, key))
+        nodes = rng.choice([1, 2, 2 * rng.randint(1, 31) + 1, rng.randint(64, 512)])  # odd: 3 … 63
+        cases.append((10 ** rng.uniform(5, 11.6), nodes, rng.choice([1, 2, 4, 8]), rng.choice(_HGX),
+                      rng.choice(_NETWORK_LINKS), rng.choice(list(cluster.NETWORKS))))
     return cases
 
 
-def _allreduce_reference(n_params: float, dtype, n: int, bandwidth: float, unit: str, alpha: float):
-    """(seconds, [(seconds with a plausible mistake, the mistake in words), ...]) of one 5.2 case."""
+def _hierarchical_reference(nbytes: float, nodes: int, per_node: int, gpu: str, nic_key: str, network: str):
+    """(seconds, its phases in words, [(seconds with a plausible mistake, the mistake in words), ...]) of a case."""
 
-    size, per_s = dtype.itemsize, bandwidth * _BYTES_PER_S[unit]  # bytes per element; bytes/s in one direction
+    node, nic = nvlink(gpu), cost.LINKS[nic_key]
+    g, m, n = per_node, nodes, nodes * per_node
 
-    def ring(nbytes=n_params * size, bytes_per_s=per_s):
-        return cost.ring_allreduce_time(nbytes, n, alpha, 1 / bytes_per_s)
+    def phases(node=node, nic=nic, network=network):
+        return cluster.allreduce_phases(nbytes, n, g, network, nic, node)
 
-    want, latency = ring(), cost.ring_allreduce_time(0, n, alpha, 0)
-    mistakes = [(ring(n_params * wrong), f"the gradients are {dtype}: {size} bytes per element, not {wrong}")
-                for wrong in (2, 4) if wrong != size]
-    if unit.startswith("Gb/s"):
-        mistakes.append((ring(bytes_per_s=8 * per_s), f"{bandwidth:g} Gb/s is gigabits per second: divide by 8 "
-                                                      f"for bytes ({bandwidth:g} Gb/s = {bandwidth / 8:g} GB/s)"))
-    if unit.endswith("both directions"):
-        mistakes.append((ring(bytes_per_s=2 * per_s), f"{bandwidth:g} GB/s adds both directions; in a ring "
-                                                      f"each link carries one direction's traffic, at "
-                                                      f"{bandwidth / 2:g} GB/s"))
-    if unit == "GB/s per direction":
-        mistakes.append((ring(bytes_per_s=per_s / 2), f"{bandwidth:g} GB/s is already one direction's bandwidth "
-                                                      "(unit 'GB/s per direction'): only a figure of both "
-                                                      "directions is halved"))
-    mistakes += [
-        (latency + n_params * size / per_s, "the bandwidth term is S/B: a ring all-reduce sends 2(n−1)/n · S per "
-                                            "rank (n−1 chunks of S/n in each of its two phases)"),
-        (latency + 2 * n_params * size / per_s, "the bandwidth term is 2·S/B: the factor is 2(n−1)/n, which only "
-                                                "approaches 2 for large n"),
-        (want - latency, f"the latency is missing: 2(n−1) = {2 * (n - 1)} messages of α = {alpha:g} s each"),
-        (ring(bytes_per_s=per_s / 1e9), "a GB is 1e9 bytes (a Gb 1e9 bits): convert the figure to bytes per second"),
+    def total(**links):
+        return sum(phases(**links).values())
+
+    def ring(size, k, link, passes=2, factor=True):  # passes 1: reduce-scatter or all-gather; 2: all-reduce
+        return passes * ((k - 1) * link.alpha + ((k - 1) / k if factor else 1) * size * link.beta)
+
+    p, other = phases(), next(key for key in cluster.NETWORKS if key != network)
+    want = sum(p.values())
+    split = " + ".join(f"{phase} {seconds:.6g} s" for phase, seconds in p.items())
+    figure = SPECS[gpu].link_gbs
+    mistakes = [
+        (total(nic=nic._replace(beta=nic.beta / 8)), f"{link_quote(nic_key)[0]:g} Gb/s is gigabits per second: "
+                                                     "divide by 8 for bytes"),
+        (total(node=node._replace(beta=node.beta / 2)), f"{figure:g} GB/s adds both directions of the {gpu}'s "
+                                                        f"links; a ring sends one way, at {figure / 2:g} GB/s"),
+        (total(node=node._replace(alpha=0), nic=nic._replace(alpha=0)), "the latency is missing: every step of each "
+                                                                        "ring costs α, (k−1) of them per pass"),
+        (total(node=nic, nic=node), "the links are swapped: inside a node the GPUs talk over NVLink, across nodes "
+                                    "over the NICs"),
     ]
-    return want, mistakes
+    if m > 1 and network == "nic-per-node":
+        mistakes += [
+            (total(network=other), "that is the hierarchical all-reduce of a NIC per GPU; with one NIC per node "
+                                   f"every step of one ring through all {n} GPUs waits for it"),
+            (ring(nbytes, n, nic, factor=False), f"the bandwidth term is 2·S/B: a ring of n = {n} sends 2(n−1)/n·S "
+                                                 "through each link (n−1 chunks of S/n per pass)"),
+        ]
+        return want, split, mistakes
+    inside = ring(nbytes, g, node, passes=1)  # the reduce-scatter's time, the all-gather's too
+    mistakes += [
+        (2 * ring(nbytes, g, node, 1, factor=False) + ring(nbytes / g, m, nic, factor=False),
+         "the bandwidth terms lack (k−1)/k: a ring pass on k GPUs sends k−1 chunks of size/k from each, "
+         "(k−1)/k of the bytes — 2(k−1)/k for the all-reduce across the nodes"),
+        (want - inside, "a phase is missing: the reduce-scatter inside the node before the ring across nodes and the "
+                        "all-gather after it each take (g−1)·α′ + (g−1)/g·S/B′"),
+        (want - 2 * inside, "the phases inside the node are missing: reduce-scatter there first, so that each GPU "
+                            "holds S/g summed over its node, and all-gather at the end"),
+    ]
+    if m > 1:
+        mistakes += [
+            (total(network=other), f"that is one flat ring through all {n} GPUs at the NIC's speed, the time with one "
+                                   "NIC per node; with a NIC per GPU reduce-scatter in the node, all-reduce each "
+                                   "GPU's S/g across the nodes on its own NIC, all-gather"),
+            (2 * inside + ring(nbytes, m, nic), f"the full S crosses the nodes: after the reduce-scatter each GPU "
+                                                f"holds S/g, its 1/{g} shard, and only that goes on its NIC"),
+            (2 * inside + ring(nbytes / g, n, nic), f"the ring across the nodes has one GPU of each node: m = {m} "
+                                                    f"ranks, not all n = {n}"),
+            (want - p["across nodes"], "the all-reduce across the nodes is missing: after the reduce-scatter each "
+                                       "GPU's shard is summed over its own node only"),
+        ]
+    return want, split, mistakes
 
 
-@check("5.2", "gradient all-reduce time over a link", hint=Hint(
-    nudge="look at the bytes and the bandwidth you use: in which units, and in one direction or both?",
-    idea="turn the gradient into bytes and the link's figure into bytes per second in one direction, then use the "
-         "ring all-reduce's α-β time: 2(n−1) steps of S/n bytes",
-    formula="S = n_params × grad_dtype.itemsize bytes; B = the bandwidth of one direction in bytes/s (Gb/s ÷ 8 → "
-            "GB/s; a figure of both directions ÷ 2; GB/s × 1e9); ring all-reduce: 2(n−1)·α + 2(n−1)/n · S/B"))
-def allreduce_seconds(fn):
-    """`fn(n_params, grad_dtype, n, bandwidth, unit, alpha)`: seconds of a ring all-reduce of the gradients."""
+@check("5.2", "a hierarchical all-reduce across nodes", hint=Hint(
+    nudge="price the phases one by one — reduce-scatter inside the node, the ring across the nodes, all-gather — "
+          "and look at the bytes each moves and the units you turned each figure into",
+    idea="inside a node the rings run on NVLink at half the spec sheet's figure (it adds both directions); after the "
+         "reduce-scatter each GPU holds S/per_node, and only that shard crosses the network, on the GPU's own NIC, "
+         "whose Gb/s are bits; with one NIC per node a single ring through every GPU waits on it at each step",
+    formula="g = per_node, m = nodes, B′ = nvlink_gbs·1e9/2 and B = nic_gbps·1e9/8 bytes/s: t = 2·[(g−1)·α′ + "
+            "(g−1)/g·S/B′] + 2(m−1)·α + 2(m−1)/m·(S/g)/B (reduce-scatter + ring across + all-gather); "
+            "'nic-per-node' across nodes: one ring over n = g·m GPUs, 2(n−1)·α + 2(n−1)/n·S/B"))
+def hierarchical_allreduce(fn):
+    """`fn(nbytes, nodes, per_node, nvlink_gbs, nic_gbps, nvlink_alpha, nic_alpha, network)`: seconds of the
+    all-reduce of `nbytes` on each GPU of `nodes` nodes of `per_node` GPUs."""
 
-    for n_params, dtype, n, key in _allreduce_cases(fresh_rng()):
-        bandwidth, unit = link_quote(key)
-        alpha = cost.LINKS[key].alpha
-        what = (f"gradient_allreduce_seconds(n_params={n_params:.4g}, grad_dtype={dtype}, n={n}, "
-                f"bandwidth={bandwidth:g}, unit={unit!r}, alpha={alpha:g}) [{cost.LINKS[key].name}]")
-        got = number(fn(n_params, dtype, n, bandwidth, unit, alpha), what)
-        want, mistakes = _allreduce_reference(n_params, dtype, n, bandwidth, unit, alpha)
-        _compare(got, want, what, mistakes)
+    for nbytes, nodes, per_node, gpu, nic_key, network in _hierarchical_cases(fresh_rng()):
+        nic_gbps, nvlink_alpha, nic_alpha = link_quote(nic_key)[0], nvlink(gpu).alpha, cost.LINKS[nic_key].alpha
+        what = (f"hierarchical_allreduce_time(nbytes={nbytes:.6g}, nodes={nodes}, per_node={per_node}, "
+                f"nvlink_gbs={SPECS[gpu].link_gbs:g}, nic_gbps={nic_gbps:g}, nvlink_alpha={nvlink_alpha:g}, "
+                f"nic_alpha={nic_alpha:g}, network={network!r}) [{gpu} nodes, {cost.LINKS[nic_key].name}]")
+        got = number(fn(nbytes, nodes, per_node, SPECS[gpu].link_gbs, nic_gbps, nvlink_alpha, nic_alpha, network),
+                     what)
+        want, split, mistakes = _hierarchical_reference(nbytes, nodes, per_node, gpu, nic_key, network)
+        _compare(got, want, what, mistakes, split=split)
 
 
 # --- 5.3: a cluster's step time and training days -----------------------------------------------------------

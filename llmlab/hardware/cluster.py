@@ -64,8 +64,8 @@ from llmlab.model import GPTConfig
 from llmlab.parallel.pipeline import bubble_fraction
 
 __all__ = ["ClusterConfig", "StepTime", "PRESETS", "NETWORKS", "MEGATRON_GPT3", "preset", "step_time",
-           "allreduce_time", "link_step_times", "network_step_times", "arithmetic_mfu", "step_from_throughput",
-           "TP_ALLREDUCES_PER_LAYER"]
+           "allreduce_time", "allreduce_phases", "link_step_times", "network_step_times", "arithmetic_mfu",
+           "step_from_throughput", "TP_ALLREDUCES_PER_LAYER"]
 
 TP_ALLREDUCES_PER_LAYER = 4  # Megatron-LM: attention and MLP each all-reduce once forward (g) and once backward (f)
 
@@ -252,24 +252,35 @@ def allreduce_time(nbytes: float, n: int, per_node: int, network: str, link: str
     """Seconds to all-reduce `nbytes` held by each of `n` GPUs, `per_node` of them in each node, across nodes on
     `link` and inside them on `node_link` (keys of cost.LINKS), for `network` (a key of NETWORKS; the formulas are
     in the module docstring). `rings_per_nic`: the rings that share one NIC under "nic-per-node"."""
+    nic, node = cost.LINKS[_link("link", link)], cost.LINKS[_link("node_link", node_link)]
+    return sum(allreduce_phases(nbytes, n, per_node, network, nic, node, rings_per_nic).values())
+
+
+def allreduce_phases(nbytes: float, n: int, per_node: int, network: str, nic: cost.Link, node: cost.Link,
+                     rings_per_nic: int = 1) -> dict[str, float]:
+    """`allreduce_time` phase by phase, over links given by their α and β (`cost.Link`s, e.g. one made from a spec
+    sheet's figure): {"reduce-scatter", "across nodes", "all-gather": seconds} for the hierarchical all-reduce of
+    "nic-per-gpu" across nodes, {"flat ring": seconds} for "nic-per-node"'s, {"ring in the node": seconds} in one
+    node under either."""
     _finite("nbytes", nbytes, above=False)
     validation.one_of("network", network, NETWORKS)
     validation.integer("n", n, low=1, hint="(the ranks of the all-reduce)")
     validation.integer("per_node", per_node, low=1, hint="(its ranks in one node)")
     validation.integer("rings_per_nic", rings_per_nic, low=1)
-    _link("link", link)
-    _link("node_link", node_link)
+    for name, value in (("nic", nic), ("node", node)):
+        if not isinstance(value, cost.Link):
+            raise ValueError(f"{name}={value!r:.80} must be a cost.Link (e.g. cost.LINKS['rdma100'])")
     g = min(n, per_node)
     if n % g:
         raise ValueError(f"n={n} ranks do not fill nodes of per_node={per_node} evenly")
-    m, nic, node = n // g, cost.LINKS[link], cost.LINKS[node_link]
+    m = n // g
     if m == 1:  # one node: no NIC on the way, a ring over the node's link
-        return cost.ring_allreduce_time(nbytes, n, node.alpha, node.beta)
+        return {"ring in the node": cost.ring_allreduce_time(nbytes, n, node.alpha, node.beta)}
     if network == "nic-per-node":  # every ring step waits for the NIC, which the r rings share
-        return cost.ring_allreduce_time(nbytes, n, nic.alpha, nic.beta * rings_per_nic)
-    inside = cost.reduce_scatter_time(nbytes, g, node.alpha, node.beta) + cost.all_gather_time(
-        nbytes, g, node.alpha, node.beta)
-    return inside + cost.ring_allreduce_time(nbytes / g, m, nic.alpha, nic.beta)  # S/g on each GPU's own NIC
+        return {"flat ring": cost.ring_allreduce_time(nbytes, n, nic.alpha, nic.beta * rings_per_nic)}
+    return {"reduce-scatter": cost.reduce_scatter_time(nbytes, g, node.alpha, node.beta),  # S/g summed on each GPU
+            "across nodes": cost.ring_allreduce_time(nbytes / g, m, nic.alpha, nic.beta),  # on each GPU's own NIC
+            "all-gather": cost.all_gather_time(nbytes, g, node.alpha, node.beta)}
 
 
 def step_time(config: ClusterConfig) -> StepTime:
