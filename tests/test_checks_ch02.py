@@ -452,3 +452,71 @@ def test_an_unwritten_ddp_class_is_not_attempted_without_the_ranks(capsys, monke
     start = time.perf_counter()
     not_attempted(ch02.bucketed_ddp, UnwrittenDDP, capsys=capsys)
     assert time.perf_counter() - start < 1.0
+
+
+# --- 2.6 ----------------------------------------------------------------------------------------------------
+
+def interleaved_1f1b(p, v, m):  # the solution's answer
+    if v > 1 and m % p:
+        raise ValueError(f"m={m} must be a multiple of p={p} for the interleaved schedule")
+    return _interleaved(p, v, m)
+
+
+def _interleaved(p, v, m, warmup=None, forward=None, reverse=True):
+    """Megatron's interleaved 1F1B, or a mistake: `warmup(p, v, rank)` the forwards before the first backward,
+    `forward(p, v, k)` the (micro-batch, chunk) of the k-th forward, `reverse=False` backwards in forward order."""
+    def nth(k, kind):
+        micro_batch, chunk = forward(p, v, k) if forward else ((k // (p * v)) * p + k % p, (k % (p * v)) // p)
+        return Action(kind, micro_batch, v - 1 - chunk if kind == "B" and reverse else chunk)
+
+    plans, total = [], v * m
+    for rank in range(p):
+        w = warmup(p, v, rank) if warmup else p - rank - 1 if v == 1 else 2 * (p - rank - 1) + (v - 1) * p
+        w = min(w, total)
+        plans.append([nth(k, "F") for k in range(w)]
+                     + [a for k in range(total - w) for a in (nth(w + k, "F"), nth(k, "B"))]
+                     + [nth(k, "B") for k in range(total - w, total)])
+    return plans
+
+
+def llmlab_interleaved(p, v, m):
+    return schedules.schedule("1f1b", p, m) if v == 1 else schedules.schedule("interleaved", p, m, v)
+
+
+def test_an_unwritten_interleaved_answer_is_not_attempted(capsys):
+    not_attempted(ch02.interleaved_1f1b, unwritten, capsys=capsys)
+
+
+def rank_major(p, v, m):  # each micro-batch through all of the rank's chunks first, as if it held stages r·v … r·v+v-1
+    return _interleaved(p, v, m, forward=lambda p, v, k: (k // v, k % v))
+
+
+INTERLEAVED_HINT = "micro-batches go through a rank's chunks in groups of p"
+INTERLEAVED_ANSWERS = [
+    Reference(ch02.interleaved_1f1b, interleaved_1f1b),
+    Reference(ch02.interleaved_1f1b, llmlab_interleaved),
+    Reference(ch02.interleaved_1f1b, lambda p, v, m: [[(a.kind, a.micro_batch, a.chunk) for a in plan]
+                                                      for plan in interleaved_1f1b(p, v, m)]),  # tuples read too
+    Mistake(ch02.interleaved_1f1b, rank_major, match="each micro-batch runs through all of the rank's chunks .*"
+            "rank-major", hint="chunk 1 of rank 0 follows chunk 0 of the last rank"),
+    Mistake(ch02.interleaved_1f1b, lambda p, v, m: _interleaved(p, v, m, reverse=False),
+            match="backwards run the chunks in the forwards' order .*; it deadlocks", hint="chunks in reverse"),
+    Mistake(ch02.interleaved_1f1b, lambda p, v, m: _interleaved(p, v, m, warmup=lambda p, v, r: p - r - 1
+                                                                  + (v - 1) * p),  # the (p − r − 1)·2 halved
+            match=r"forwards before its first backward, Megatron.s order runs \d+: a warm-up of min\(\(p − r − 1\)·2",
+            hint="Megatron's (p − r − 1)·2"),
+    Mistake(ch02.interleaved_1f1b, lambda p, v, m: _interleaved(p, v, m, warmup=lambda p, v, r: p - r - 1),
+            match="plain 1F1B's warm-up, which ignores v", hint="Megatron's (p − r − 1)·2"),
+    Mistake(ch02.interleaved_1f1b, lambda p, v, m: _interleaved(p, v, m, warmup=lambda p, v, r: 2 * (p - r - 1)
+                                                                  + (v - 1) * p),
+            match="v=1, .* plain 1F1B, whose warm-up is min\\(p − r − 1, m\\)", hint="plain 1F1B"),
+    Mistake(ch02.interleaved_1f1b, lambda p, v, m: schedules.schedule("1f1b", p, m),
+            match="on chunk 0 only, as plain 1F1B", hint="2·v·m actions"),
+    Mistake(ch02.interleaved_1f1b, _interleaved, match="is not a multiple of p .* raise ValueError",
+            hint="refuse an m that p does not divide"),
+    Mistake(ch02.interleaved_1f1b, lambda p, v, m: [plan[:-1] for plan in interleaved_1f1b(p, v, m)],
+            match="never runs B", hint=INTERLEAVED_HINT),
+    Mistake(ch02.interleaved_1f1b, lambda p, v, m: {r: [] for r in range(p)}, match="expected a list of .* plans",
+            hint=INTERLEAVED_HINT),
+]
+ANSWERS += INTERLEAVED_ANSWERS

@@ -353,3 +353,8 @@ def _scaler_diagnosis(scale, tracker, found_inf, got_scale, got_tracker, interva
     if not found_inf and got_scale > scale and got_tracker != 0:
         return ": after growing, the counter restarts from 0"
     return ""
+
+
+from llmlab.checks.ch02_interleaved import interleaved_1f1b  # noqa: E402 - 2.6 (its own module), appended
+
+__all__ += ["interleaved_1f1b"]
