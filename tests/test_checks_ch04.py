@@ -2,13 +2,16 @@
 not attempted (for the ring, a NotImplementedError raised on the ranks), and fails a plausible wrong answer with a
 message naming the mistake — an off-by-one chunk index, a missing step or phase, a missing division, whole tensors
 sent where a chunk is, a copy where the work is in place; for the tree, a missing broadcast, a share overwritten by
-a child's sum, the whole tensor where segments are, a ring's neighbours — and the hint.
+a child's sum, the whole tensor where segments are, a ring's neighbours; for the α-β times (4.4), a phase, a step or a
+chunk miscounted, a depth not rounded up, segments that do not pipeline, the crossover's algebra, a choice by the
+wrong rule — and the hint.
 
 The ring answers below are written the way a learner would, with `exchange` (send right and receive left
 together), and run on the checks' own 5 gloo ranks, which the module fixture stops at the end.
 """
 
 
+import math
 import os
 from functools import partial
 
@@ -131,6 +134,58 @@ def no_zeroing(model, loss_fn, batches):
         (loss_fn(model, batch) / len(batches)).backward()
 
 
+# --- 4.4 ----------------------------------------------------------------------------------------------------
+
+def ring_time(nbytes, n, alpha, beta):
+    return 2 * (n - 1) * (alpha + nbytes / n * beta)
+
+
+def tree_time(nbytes, n, alpha, beta, pipelined=True, depth=lambda n: math.ceil(math.log2(n)), one_rank=True,
+              phases=2):
+    """The tree's time; `depth` a reading of its levels, `one_rank=False` forgets that one rank sends nothing,
+    `phases=1` forgets the broadcast."""
+    if n == 1 and one_rank:
+        return 0.0
+    levels = depth(n) if n > 1 else 0
+    return phases * (levels * alpha + nbytes * beta if pipelined else levels * (alpha + nbytes * beta))
+
+
+def crossover(n, alpha, beta, pipelined=True, depth=lambda n: math.ceil(math.log2(n)), with_n=True):
+    """The size where ring and tree cross; `depth` a reading of the tree's levels, `with_n=False` drops the N of the
+    pipelined tree's bytes gap."""
+    levels = depth(n) if n > 1 else 0
+    if n - 1 - levels <= 0:
+        return 0.0
+    gap = (1 / n if with_n else 1.0) if pipelined else levels - (n - 1) / n
+    return (n - 1 - levels) * alpha / (gap * beta)
+
+
+def choose(nbytes, n, alpha, beta, pipelined=True, pick=min, seconds_of="chosen", tree_pipelined=None):
+    """The faster of ring and tree by `pick` over their times; `seconds_of="other"` returns the other's time,
+    `tree_pipelined` prices that tree whatever `pipelined` says."""
+    times = {"ring": ring_time(nbytes, n, alpha, beta),
+             "tree": tree_time(nbytes, n, alpha, beta, pipelined if tree_pipelined is None else tree_pipelined)}
+    name = pick(times, key=times.get)
+    return name, times[name] if seconds_of == "chosen" else times["tree" if name == "ring" else "ring"]
+
+
+def fewer_messages(nbytes, n, alpha, beta, pipelined=True):
+    name = "tree" if math.ceil(math.log2(max(n, 1))) < n - 1 else "ring"
+    return name, ring_time(nbytes, n, alpha, beta) if name == "ring" else tree_time(nbytes, n, alpha, beta, pipelined)
+
+
+def cost_choose(nbytes, n, alpha, beta, pipelined=True):
+    """llmlab's own times, the faster of them."""
+    times = {"ring": cost.ring_allreduce_time(nbytes, n, alpha, beta),
+             "tree": cost.tree_allreduce_time(nbytes, n, alpha, beta, pipelined)}
+    return min(times.items(), key=lambda item: item[1])
+
+
+def times(ring=ring_time, tree=tree_time, cross=crossover, pick=choose):
+    """4.4's four answers, the right ones unless one is given."""
+    return ring, tree, cross, pick
+
+
 # --- 4.5 ----------------------------------------------------------------------------------------------------
 
 def all_reduce(tensor, group=None, op="sum", received_shift=0, gather=True, divide=True, copy=False):
@@ -235,11 +290,56 @@ ANSWERS = [
     Mistake(ch04.accumulate, snippet, match=r"is \d× the large-batch gradient: .* divided by k", hint="/ k"),
     Mistake(ch04.accumulate, no_zeroing, match="gradient of an earlier backward", hint="zero the gradients"),
 
-    Reference(ch04.ring_time, cost.ring_allreduce_time),
-    Mistake(ch04.ring_time, cost.reduce_scatter_time, match="the reduce-scatter alone", hint="2(N−1)"),
-    Mistake(ch04.ring_time, lambda s, n, a, b: 2 * (n - 1) * (a + s * b), match="S/N bytes, not all S",
+    Reference(ch04.choose_allreduce, *times()),
+    Reference(ch04.choose_allreduce, cost.ring_allreduce_time, cost.tree_allreduce_time, cost.crossover_bytes,
+              cost_choose),
+    Mistake(ch04.choose_allreduce, *times(ring=cost.reduce_scatter_time), match="the reduce-scatter alone",
             hint="2(N−1)"),
-    Mistake(ch04.ring_time, lambda s, n, a, b: "fast", match="expected a number", hint="2(N−1)"),
+    Mistake(ch04.choose_allreduce, *times(ring=lambda s, n, a, b: 2 * (n - 1) * (a + s * b)),
+            match="S/N bytes, not all S", hint="2(N−1)"),
+    Mistake(ch04.choose_allreduce, *times(ring=lambda s, n, a, b: 2 * n * (a + s / n * b)),
+            match="N−1 steps per phase, not N", hint="N−1"),
+    Mistake(ch04.choose_allreduce, *times(ring=lambda s, n, a, b: 2 * (n - 1) * a + 2 * s * b),
+            match="each phase sends N−1 chunks of S/N bytes, not N", hint="2(N−1)/N·S·β"),
+    Mistake(ch04.choose_allreduce, *times(ring=lambda s, n, a, b: "fast"), match="got str 'fast', expected a number",
+            hint="2(N−1)"),
+    Mistake(ch04.choose_allreduce, *times(tree=partial(tree_time, phases=1)),
+            match="reduce up the tree alone; the broadcast back down is missing", hint="broadcast"),
+    Mistake(ch04.choose_allreduce, *times(tree=partial(tree_time, depth=math.log2)),
+            match=r"tree_allreduce_time\(nbytes=100000, n=5.*log₂N not rounded: the tree has ⌈log₂5⌉ = 3 levels",
+            hint="rounded up"),
+    Mistake(ch04.choose_allreduce, *times(tree=partial(tree_time, depth=lambda n: int(math.log2(n)))),
+            match="log₂N rounded down: the tree has ⌈log₂5⌉ = 3 levels", hint="rounded up"),
+    Mistake(ch04.choose_allreduce, *times(tree=lambda s, n, a, b, pipelined=True: tree_time(s, n, a, b, False)),
+            match=r"pipelined=True\).*that is the unsegmented tree", hint="in flight on every level at once"),
+    Mistake(ch04.choose_allreduce, *times(tree=lambda s, n, a, b, pipelined=True: tree_time(s, n, a, b)),
+            match=r"pipelined=False\).*that is the pipelined tree", hint="every one of the 2·d hops pays α + S·β"),
+    Mistake(ch04.choose_allreduce, *times(tree=partial(tree_time, one_rank=False)),
+            match=r"n=1, .* one rank sends nothing: 0 s", hint="no edge"),
+    Mistake(ch04.choose_allreduce, *times(cross=partial(crossover, with_n=False)),
+            match=r"crossover_bytes\(n=8, .*the factor N = 8 is missing", hint="a factor N"),
+    Mistake(ch04.choose_allreduce, *times(cross=lambda n, a, b, pipelined=True: crossover(n, b, a, pipelined)),
+            match="β/α is not a size", hint="α/β is bytes"),
+    Mistake(ch04.choose_allreduce, *times(cross=lambda n, a, b, pipelined=True: crossover(n, a, b)),
+            match=r"pipelined=False\).*that is the pipelined tree's crossover", hint="d − (N−1)/N"),
+    Mistake(ch04.choose_allreduce, *times(cross=partial(crossover, depth=math.log2)),
+            match="log₂N not rounded: the tree has ⌈log₂5⌉ = 3 levels", hint="whole levels"),
+    Mistake(ch04.choose_allreduce, *times(pick=partial(choose, pick=max)),
+            match="every choice you made is the slower algorithm", hint="smaller time"),
+    Mistake(ch04.choose_allreduce, *times(pick=fewer_messages),
+            match=r"the ring is faster here: .* every choice you made is the algorithm with fewer messages",
+            hint="Compare the whole times"),
+    Mistake(ch04.choose_allreduce, *times(pick=lambda s, n, a, b, pipelined=True: ("ring", ring_time(s, n, a, b))),
+            match=r"the tree is faster here: .*every choice you made is the ring", hint="for small buffers"),
+    Mistake(ch04.choose_allreduce, *times(pick=partial(choose, tree_pipelined=True)),
+            match="compares the ring with the pipelined tree; pipelined=False asks for the unsegmented one",
+            hint="pass pipelined on"),
+    Mistake(ch04.choose_allreduce, *times(pick=partial(choose, seconds_of="other")),
+            match="that is the other algorithm's time", hint="the time of the algorithm you chose"),
+    Mistake(ch04.choose_allreduce, *times(pick=lambda s, n, a, b, pipelined=True: choose(s, n, a, b, pipelined)[0]),
+            match=r"returned '(ring|tree)'; expected a pair \(name, seconds\)", hint="the name of the smaller time"),
+    Mistake(ch04.choose_allreduce, *times(pick=lambda s, n, a, b, pipelined=True: choose(s, n, a, b, pipelined)[::-1]),
+            match="returned the name .*; expected 'ring' or 'tree'", hint="the name of the smaller time"),
 
     Reference(ch04.ring_all_reduce, all_reduce),
     Mistake(ch04.ring_all_reduce, lambda t, g=None, op="sum": all_reduce(t, g, op, gather=False),
@@ -283,7 +383,7 @@ ANSWERS = [
 ]
 
 
-@pytest.mark.parametrize("check", [ch04.ring_reduce_scatter, ch04.ring_all_gather, ch04.accumulate, ch04.ring_time,
-                                   ch04.ring_all_reduce, ch04.tree_all_reduce])
+@pytest.mark.parametrize("check", [ch04.ring_reduce_scatter, ch04.ring_all_gather, ch04.accumulate,
+                                   ch04.choose_allreduce, ch04.ring_all_reduce, ch04.tree_all_reduce])
 def test_an_unwritten_answer_is_not_attempted(check, capsys):
     not_attempted(check, unwritten, capsys=capsys)

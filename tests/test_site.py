@@ -82,7 +82,8 @@ def test_a_wrong_answer_reads_as_a_verdict_in_the_page(tmp_path):
     answer = nb.cells[3]
     assert "c = (rank - step - 2) % n" in answer.source and "check.ring_reduce_scatter" in nb.cells[4].source
     answer.source = answer.source.replace("c = (rank - step - 2) % n", "c = (rank - step - 1) % n")
-    nb.cells = [*nb.cells[:5], nbformat.v4.new_code_cell("check.ring_time(lambda S, N, a, b: S / 0)")]
+    planted = "check.choose_allreduce(lambda S, N, a, b: S / 0, None, None, None)"
+    nb.cells = [*nb.cells[:5], nbformat.v4.new_code_cell(planted)]
     nbformat.write(nb, tmp_path / "planted.ipynb")
     page = site.build_page(tmp_path / "planted.ipynb", tmp_path, timeout=120)
     text = page.html.read_text()

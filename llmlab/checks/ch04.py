@@ -1,11 +1,13 @@
-"""Checks for chapter 4's exercises (solutions/04_communication.ipynb): the ring's two halves, accumulation, α-β,
-and the whole ring all-reduce.
+"""Checks for chapter 4's exercises (solutions/04_communication.ipynb): the ring's two halves, accumulation, the
+choice between ring and tree by their α-β time (its own module, ch04_cost, imported here), the whole ring all-reduce
+and the tree all-reduce.
 
     from llmlab.checks import ch04 as check
     check.ring_reduce_scatter(ring_reduce_scatter)    # 4.1, on 2–5 gloo ranks
     check.ring_all_gather(ring_all_gather)            # 4.2, on 2–5 gloo ranks
     check.accumulate(accumulate)                      # 4.3
-    check.ring_time(ring_allreduce_time)              # 4.4
+    check.choose_allreduce(ring_allreduce_time, tree_allreduce_time,  # 4.4
+                           crossover_bytes, choose_allreduce)
     check.ring_all_reduce(ring_all_reduce)            # 4.5, on 2–5 gloo ranks
     check.tree_all_reduce(tree_all_reduce)            # 4.6, on 2–5 gloo ranks
 
@@ -45,13 +47,13 @@ import torch.distributed as td
 from llmlab import checks, dist
 from llmlab.accumulate import accumulate_gradients
 from llmlab.checks import Hint, Mismatch, assert_close, check, fresh_rng
-from llmlab.dist import RankError, cost
+from llmlab.checks.ch04_cost import choose_allreduce
+from llmlab.dist import RankError
 from llmlab.dist.collectives import chunk_sizes
 from llmlab.dist.commlog import CommLog
 
-__all__ = ["ring_reduce_scatter", "ring_all_gather", "accumulate", "ring_time", "ring_all_reduce", "tree_all_reduce",
-           "close",
-           "WORLD_SIZES", "TIMEOUT_S"]
+__all__ = ["ring_reduce_scatter", "ring_all_gather", "accumulate", "choose_allreduce", "ring_all_reduce",
+           "tree_all_reduce", "close", "WORLD_SIZES", "TIMEOUT_S"]
 
 WORLD_SIZES = (2, 3, 4, 5)
 TIMEOUT_S = 30.0  # the reference answers all cases in well under a second; more means a rank is stuck
@@ -479,73 +481,6 @@ def accumulate(fn):
                                hint=_ACC_HINTS["no zeroing"])
             # float64: the same sums in another order differ by ~1e-16 relative; a real mistake is O(1) off
             assert_close(p.grad, ref.grad, what=f"{what}: {name}.grad", rtol=1e-9, atol=1e-12)
-
-
-# --- 4.4: the α-β time of a ring all-reduce -----------------------------------------------------------------
-
-_TIME_FORMULA = ("2(N−1) steps (N−1 of reduce-scatter, N−1 of all-gather), each one message of S/N bytes: "
-                 "t = 2(N−1)·α + 2(N−1)/N · S · β")
-_TIME_HINTS = {
-    "reduce-scatter only": Hint(
-        nudge="look at how many phases your time counts: an all-reduce is more than its reduce-scatter",
-        idea="after the reduce-scatter each rank holds one summed chunk; an all-gather of as many steps then brings "
-             "every summed chunk to every rank, so the latency term and the bytes term both double",
-        formula=_TIME_FORMULA),
-    "whole S per step": Hint(
-        nudge="look at the size of the message each step sends",
-        idea="the ring cuts the tensor into N chunks and each step sends one of them, S/N bytes, so the bytes term "
-             "is just under 2·S·β, whatever the number of ranks",
-        formula=_TIME_FORMULA),
-    "N steps": Hint(
-        nudge="count the steps of each phase on N ranks",
-        idea="a chunk starts on one rank and needs one hop for each of the N−1 others, so each phase takes N−1 "
-             "steps, not N",
-        formula=_TIME_FORMULA),
-    "latency over N": Hint(
-        nudge="look at how often your time pays the latency α",
-        idea="every step is one message, and every message pays the whole latency α whatever its size: α is "
-             "multiplied by the number of steps, never divided by N",
-        formula=_TIME_FORMULA),
-}
-
-
-@check("4.4", "the α-β time of a ring all-reduce", hint=Hint(
-    nudge="count the steps of a ring all-reduce, and the bytes each of them sends",
-    idea="a ring all-reduce is two phases, a reduce-scatter and an all-gather, of N−1 steps each; every step costs "
-         "one latency plus the time of sending one chunk",
-    formula=_TIME_FORMULA))
-def ring_time(fn):
-    """`fn(nbytes, n, alpha, beta)`: seconds of a ring all-reduce of `nbytes` on `n` ranks."""
-
-    rng = fresh_rng()
-    cases = [(0, 8, 5e-6, 1e-10), (1e6, 1, 5e-6, 1e-10), (64e6, 2, 0.0, 1 / 25e9)]
-    cases += [(rng.uniform(1e3, 1e10), rng.randint(2, 1024), rng.uniform(1e-7, 1e-4), 1 / rng.uniform(1e9, 5e11))
-              for _ in range(6)]
-    for nbytes, n, alpha, beta in cases:
-        what = f"ring_allreduce_time(nbytes={nbytes:.4g}, n={n}, alpha={alpha:.3g}, beta={beta:.3g})"
-        try:
-            got = float(fn(nbytes, n, alpha, beta))
-        except (TypeError, ValueError):
-            raise Mismatch(f"{what} returned {fn(nbytes, n, alpha, beta)!r}; expected a number of seconds") from None
-        want = cost.ring_allreduce_time(nbytes, n, alpha, beta)
-        # a handful of float64 products and sums, ~1e-16 relative in another order; abs_tol for the 0-byte and
-        # 1-rank cases, whose time is 0 s. A named mistake scales a term by N/(N−1) ≥ 1.001 or more.
-        if math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-18):
-            continue
-        diagnosis = [  # the first that matches is named
-            (cost.reduce_scatter_time(nbytes, n, alpha, beta), "reduce-scatter only",
-             "half: that is the reduce-scatter alone; an all-reduce adds an all-gather of as many steps"),
-            (2 * (n - 1) * alpha + 2 * (n - 1) * nbytes * beta, "whole S per step",
-             "each step sends S/N bytes, not all S"),
-            (2 * n * alpha + 2 * nbytes * beta, "N steps", "N−1 steps per phase, not N"),
-            (2 * (n - 1) * (alpha + nbytes * beta / n) / n, "latency over N",
-             "the latency is paid once per step: 2(N−1)·α"),
-        ]
-        known = next(((key, d) for value, key, d in diagnosis if math.isclose(got, value, rel_tol=1e-9)), None)
-        if known:
-            raise Mismatch(f"{what} = {got:.6g} s, expected {want:.6g} s: {known[1]}", mistake=known[0],
-                           hint=_TIME_HINTS[known[0]])
-        raise Mismatch(f"{what} = {got:.6g} s, expected {want:.6g} s")
 
 
 # --- 4.5: the whole ring all-reduce -------------------------------------------------------------------------
