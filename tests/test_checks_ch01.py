@@ -2,6 +2,11 @@
 answer as not attempted, and fails a plausible wrong answer with a message naming the mistake and the hint."""
 
 
+import random
+import re
+import statistics
+from functools import partial
+
 import llmlab.kernels  # noqa: F401  (first: interpreted Triton on the CPU tier, before any kernel below)
 import pytest
 import torch
@@ -10,7 +15,8 @@ import triton.language as tl
 from check_answers import Mistake, Reference
 from grading import not_attempted
 
-from llmlab.checks import ch01, ch01_gemm
+from llmlab import flops
+from llmlab.checks import ch01, ch01_gemm, ch01_log
 
 
 def unwritten(*args):
@@ -157,6 +163,54 @@ def implied_mfu(n_params, tokens, gpus, days, peak):
     return 6 * n_params * tokens / (gpus * days * 86_400 * peak)
 
 
+# --- 1.5 ----------------------------------------------------------------------------------------------------
+
+STEP_LINE = re.compile(r"step\s+(\d+)\s.*\sbatch (\d+)\s+([\d.]+) ms")
+
+
+def step_lines(log_text, first):
+    """(seconds, batch) of each step line from step `first` on."""
+    matches = (STEP_LINE.fullmatch(line.strip()) for line in log_text.splitlines())
+    return [(float(m[3]) / 1000, int(m[2])) for m in matches if m is not None and int(m[1]) >= first]
+
+
+def palm_per_token(cfg):  # the solution's count: 6·N + 12·L·C·T
+    L, C, T, V = cfg.n_layer, cfg.n_embd, cfg.block_size, cfg.vocab_size
+    return 6 * (12 * L * C * C + V * C) + 12 * L * C * T
+
+
+def six_n(cfg):
+    return palm_per_token(cfg) - 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+def mfu_from_log(log_text, cfg, peak_flops, warmup=10, *, average=statistics.median, first=None,
+                 per_token=palm_per_token, ms=False, sequences=False, percent=False):
+    """The solution's answer; each switch plants one mistake: the mean, warm-up kept from step `first`, another FLOP
+    count per token, milliseconds taken for seconds, batch taken for tokens, a percentage."""
+    steps = step_lines(log_text, warmup + 1 if first is None else first)
+    seconds = average([s * (1000 if ms else 1) for s, _ in steps])
+    tokens = statistics.median([b for _, b in steps]) * (1 if sequences else cfg.block_size)
+    return tokens / seconds * per_token(cfg) / peak_flops * (100 if percent else 1)
+
+
+def llmlab_mfu_from_log(log_text, cfg, peak_flops, warmup=10):
+    """The same with llmlab's own count and MFU: training_step_flops of one step's batch, flops.mfu on one device."""
+    steps = step_lines(log_text, warmup + 1)
+    batch = int(statistics.median([b for _, b in steps]))
+    return flops.mfu(flops.training_step_flops(cfg, batch), statistics.median([s for s, _ in steps]), 1, peak_flops)
+
+
+def test_the_logs_hold_what_the_mistakes_are_named_by():
+    for log in ch01_log._logs(random.Random(0)) + ch01_log._logs(random.Random(1)):
+        warm, kept = log.centi_ms[:log.warmup], log.kept
+        steady = [t for t in kept if t < 2 * statistics.median(kept)]
+        assert len(kept) % 2 == 1 and len(set(steady)) == len(steady)  # one middle value; every named answer differs
+        assert 2 <= len(kept) - len(steady) < len(kept) / 2 and min(warm) > max(steady) and min(steady) >= 5000
+        lines = log.text.splitlines()
+        assert len(step_lines(log.text, 1)) == len(log.centi_ms) and len(lines) > len(log.centi_ms) + 1
+        assert any(line.startswith("eval  step") for line in lines) == (len(log.centi_ms) >= 50)
+
+
 # --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
 
 ANSWERS = [
@@ -205,10 +259,35 @@ ANSWERS = [
     Mistake(ch01.implied_mfu, lambda n, d, g, days, p: 6 * n * d / (g * days * 3600 * p), match="used hours",
             hint="86,400"),
     Mistake(ch01.implied_mfu, lambda *args: 100 * implied_mfu(*args), match="not a percentage", hint="6·N·D"),
+
+    Reference(ch01.mfu_from_log, mfu_from_log),
+    Reference(ch01.mfu_from_log, llmlab_mfu_from_log),
+    Mistake(ch01.mfu_from_log, partial(mfu_from_log, average=statistics.mean), match="the mean step time: the \\d+ "
+            "slow steps", hint="a few slow steps must not move it"),
+    Mistake(ch01.mfu_from_log, partial(mfu_from_log, first=1), match="the \\d+ warm-up steps are kept",
+            hint="drop the first `warmup`"),
+    Mistake(ch01.mfu_from_log, partial(mfu_from_log, first=1, average=statistics.mean),
+            match="the mean over every step, warm-up included", hint="median of the kept steps"),
+    Mistake(ch01.mfu_from_log, lambda log, cfg, peak, warmup: mfu_from_log(log, cfg, peak, warmup, first=warmup),
+            match="step \\d+ is kept: .* off by one", hint="drop the first `warmup`"),
+    Mistake(ch01.mfu_from_log, partial(mfu_from_log, per_token=six_n), match="attention matmuls are missing: that "
+            "is 6·N", hint="12·L·C·T"),
+    Mistake(ch01.mfu_from_log, partial(mfu_from_log, per_token=lambda cfg: palm_per_token(cfg) / 3),
+            match="forward pass only", hint="6·N + 12·L·C·T"),
+    Mistake(ch01.mfu_from_log, partial(mfu_from_log, per_token=lambda cfg: six_n(cfg) / 3), match="that is 2·N",
+            hint="6·N + 12·L·C·T"),
+    Mistake(ch01.mfu_from_log, partial(mfu_from_log, ms=True), match="1000× too small: the step times are in "
+            "milliseconds", hint="ms / 1000"),
+    Mistake(ch01.mfu_from_log, partial(mfu_from_log, sequences=True), match="batch counts sequences",
+            hint="batch × cfg.block_size"),
+    Mistake(ch01.mfu_from_log, partial(mfu_from_log, percent=True), match="not a percentage", hint="a fraction"),
+    Mistake(ch01.mfu_from_log, lambda *args, **kwargs: f"{mfu_from_log(*args, **kwargs):.1%}",
+            match="expected a number", hint="a fraction"),
 ]
 
 
 @pytest.mark.parametrize("check, answer", [(ch01.block_flops, unwritten), (ch01.gemm_roofline, unwritten),
-                                           (ch01.tiled_gemm, _unwritten_kernel), (ch01.implied_mfu, unwritten)])
+                                           (ch01.tiled_gemm, _unwritten_kernel), (ch01.implied_mfu, unwritten),
+                                           (ch01.mfu_from_log, unwritten)])
 def test_an_unwritten_answer_is_not_attempted(check, answer, capsys):
     not_attempted(check, answer, capsys=capsys)

@@ -5,10 +5,12 @@
     check.gemm_roofline(gemm_roofline)          # 1.2
     check.tiled_gemm(matmul_kernel)             # 1.3 (a @triton.jit kernel, launched here; ch01_gemm)
     check.implied_mfu(implied_mfu)              # 1.4
+    check.mfu_from_log(mfu_from_log)            # 1.5 (a training log's MFU; ch01_log)
 
 Each check compares the learner's answer with llmlab's own (llmlab.flops, llmlab.hardware.roofline,
 torch.matmul) on fresh random inputs plus the edge cases a plausible mistake gets wrong, and when the answer
-matches a known mistake (no attention T² terms, 1 byte per element, forward-only FLOPs...) it says so.
+matches a known mistake (no attention T² terms, 1 byte per element, forward-only FLOPs, the mean of a log's step
+times...) it says so.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import random
 from llmlab import flops
 from llmlab.checks import Hint, Mismatch, check, fresh_rng, number
 from llmlab.checks.ch01_gemm import BLOCKS, launch, tiled_gemm
+from llmlab.checks.ch01_log import mfu_from_log, sample_log
 from llmlab.hardware import SPECS, roofline
 from llmlab.model import GPTConfig
 
-__all__ = ["block_flops", "gemm_roofline", "tiled_gemm", "launch", "BLOCKS", "implied_mfu"]
+__all__ = ["block_flops", "gemm_roofline", "tiled_gemm", "launch", "BLOCKS", "implied_mfu", "mfu_from_log",
+           "sample_log"]
 
 
 def _close(got: float, want: float, rel: float = 1e-9) -> bool:
