@@ -3,6 +3,7 @@
 message naming the mistake and the hint. 3.1 runs on ch03's one Cluster(4), shared by the tests here."""
 
 
+import math
 import random
 
 import pytest
@@ -10,9 +11,10 @@ import torch
 import torch.distributed as td
 from check_answers import Mistake, Reference
 from grading import not_attempted
+from llmlab.kernels import attention
 
 from llmlab.checks import ch03
-from llmlab.checks.ch03 import hooks8
+from llmlab.checks.ch03 import flash, hooks8
 from llmlab.memory.checkpoint import checkpoint as library_checkpoint
 from llmlab.memory.measure import is_parameter
 
@@ -279,6 +281,118 @@ def test_stored_bytes_counts_each_tensor_once_and_pass_through_as_the_original()
     assert ch03.stored_bytes({"c": codes, "meta": (torch.zeros(2), t.shape, "x")}, t) == 32 + 8
 
 
+# --- 3.4: the online-softmax attention forward ------------------------------------------------------------------
+
+def make_flash(no_rescale=False, lse_without_max=False, diagonal_hidden=False, no_scale=False, divide_in_loop=False,
+               no_skip=False, no_max=False, no_mask=False, base2=False):
+    """flash_forward by blocks of queries and keys (the solution's), with one planted mistake (or none)."""
+    def flash_forward(q, k, v, causal, block):
+        B, H, T, D = q.shape
+        scale = 1.0 if no_scale else 1 / math.sqrt(D)
+        o, lse = torch.empty_like(q), q.new_empty(B, H, T)
+        for i in range(0, T, block):
+            q_i = q[:, :, i:i + block]  # (B, H, bq, D)
+            bq = q_i.shape[2]
+            rows = torch.arange(i, i + bq)[:, None]  # (bq, 1)
+            m, denom, acc = q.new_full((B, H, bq), -math.inf), q.new_zeros(B, H, bq), q.new_zeros(B, H, bq, D)
+            for j in range(0, min(T, i + block) if causal and not no_skip else T, block):
+                s = q_i @ k[:, :, j:j + block].transpose(-1, -2) * scale  # (B, H, bq, bk)
+                if causal and j >= i and not no_mask:
+                    cols = torch.arange(j, j + s.shape[-1])[None, :]  # (1, bk)
+                    s = s.masked_fill(cols >= rows if diagonal_hidden else cols > rows, -math.inf)
+                m_new = torch.zeros_like(m) if no_max else torch.maximum(m, s.amax(-1))  # (B, H, bq)
+                alpha = torch.ones_like(m) if no_rescale else torch.exp(m - m_new)
+                p = torch.exp(s - m_new[..., None])  # (B, H, bq, bk)
+                denom = denom * alpha + p.sum(-1)
+                acc = acc * alpha[..., None] + p @ v[:, :, j:j + block]  # (B, H, bq, D)
+                if divide_in_loop:
+                    acc = acc / denom[..., None]
+                m = m_new
+            o[:, :, i:i + block] = acc if divide_in_loop else acc / denom[..., None]
+            lse[:, :, i:i + block] = (torch.log(denom) if lse_without_max else
+                                      (m + torch.log(denom)) / math.log(2) if base2 else m + torch.log(denom))
+        return o, lse
+    return flash_forward
+
+
+def flash_normalised(q, k, v, causal, block):
+    """Also right: exp2 with log2(e) folded into the scale on q, and an output kept normalised at every key block
+    (acc·(α·denom/denom_new) + p·v/denom_new), as some write FlashAttention's forward."""
+    B, H, T, D = q.shape
+    o, lse = torch.empty_like(q), q.new_empty(B, H, T)
+    for i in range(0, T, block):
+        q_i = q[:, :, i:i + block] * (math.log2(math.e) / math.sqrt(D))  # (B, H, bq, D)
+        rows = torch.arange(i, i + q_i.shape[2])[:, None]
+        m2, denom, out = q.new_full(q_i.shape[:3], -math.inf), q.new_zeros(q_i.shape[:3]), torch.zeros_like(q_i)
+        for j in range(0, min(T, i + block) if causal else T, block):
+            s2 = q_i @ k[:, :, j:j + block].transpose(-1, -2)  # (B, H, bq, bk) scores × log2 e
+            if causal:
+                s2 = s2.masked_fill(torch.arange(j, j + s2.shape[-1])[None, :] > rows, -math.inf)
+            m_new = torch.maximum(m2, s2.amax(-1))
+            p = torch.exp2(s2 - m_new[..., None])
+            denom_new = denom * torch.exp2(m2 - m_new) + p.sum(-1)
+            kept = torch.exp2(m2 - m_new) * denom / denom_new  # (B, H, bq) the share of the blocks before
+            out = out * kept[..., None] + (p @ v[:, :, j:j + block]) / denom_new[..., None]  # (B, H, bq, D)
+            m2, denom = m_new, denom_new
+        o[:, :, i:i + block] = out
+        lse[:, :, i:i + block] = (m2 + torch.log2(denom)) * math.log(2)
+    return o, lse
+
+
+def flash_keys_outer(q, k, v, causal, block):
+    """Also right: FlashAttention-1's loop order, key blocks outside and query blocks inside, with m, denom and acc
+    kept for every row ((B, H, T) and (B, H, T, D): the output's size, no (T, T) tensor)."""
+    B, H, T, D = q.shape
+    m, denom, acc = q.new_full((B, H, T), -math.inf), q.new_zeros(B, H, T), torch.zeros_like(q)
+    for j in range(0, T, block):
+        k_j, v_j = k[:, :, j:j + block], v[:, :, j:j + block]  # (B, H, bk, D)
+        for i in range(j if causal else 0, T, block):  # causal: query blocks before this key block see none of it
+            s = q[:, :, i:i + block] @ k_j.transpose(-1, -2) / math.sqrt(D)  # (B, H, bq, bk)
+            if causal:
+                cols, rows = torch.arange(j, j + s.shape[-1]), torch.arange(i, i + s.shape[-2])
+                s = s.masked_fill(cols[None, :] > rows[:, None], -math.inf)
+            m_i = m[:, :, i:i + block]
+            m_new = torch.maximum(m_i, s.amax(-1))
+            alpha, p = torch.exp(m_i - m_new), torch.exp(s - m_new[..., None])
+            denom[:, :, i:i + block] = denom[:, :, i:i + block] * alpha + p.sum(-1)
+            acc[:, :, i:i + block] = acc[:, :, i:i + block] * alpha[..., None] + p @ v_j
+            m[:, :, i:i + block] = m_new
+    return acc / denom[..., None], m + torch.log(denom)
+
+
+def written_out(q, k, v, causal, block):
+    """Right values from the whole (T, T) matrix: softmax(q·kᵀ/√D)·v and torch.logsumexp."""
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def keys_tiled_only(q, k, v, causal, block):
+    """llmlab's own PyTorch reference of the Triton kernel: the online softmax over key blocks, every query at once."""
+    return attention.reference(q, k, v, causal, block=block)
+
+
+def test_llmlabs_reference_meets_the_flash_tolerance():
+    """The tolerance holds llmlab's own online softmax (kernels/attention.py's `reference`, tiled by keys) to SDPA
+    and torch.logsumexp on the check's cases, scores of ~10³ included."""
+    for seed in range(8):
+        for case in flash._cases(random.Random(seed)):
+            q, k, v = case.inputs()
+            s = flash._scores(q, k, case.causal, 1 / math.sqrt(case.D))
+            tol = flash.TOL * max(1.0, s[s.isfinite()].abs().max().item())
+            o, lse = attention.reference(q, k, v, case.causal, block=case.block)
+            want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+            assert flash._close(o, want, tol) and flash._close(lse, torch.logsumexp(s, -1), tol), case
+
+
+def test_largest_counts_the_memory_a_tensor_holds_not_its_shape():
+    with flash._Largest() as largest:
+        torch.zeros(3).expand(1000, 3)  # a view: 3 elements of memory
+        torch.ones(4, 2) @ torch.ones(2, 6)  # 8, 12, then the product: 24
+    assert (largest.elements, largest.shape) == (24, (4, 6))
+
+
 # --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
 
 ANSWERS = [
@@ -340,10 +454,28 @@ ANSWERS = [
         ((in_place_pack, lambda p: p), "pack changed the tensor it was given"),
         ((lambda t: t, lambda p: p), "packs into 100% of its bytes"),
     ]],
+
+    Reference(ch03.flash_forward, make_flash()),
+    Reference(ch03.flash_forward, flash_normalised),
+    Reference(ch03.flash_forward, flash_keys_outer),
+    *[Mistake(ch03.flash_forward, answer, match=match, hint="exp(m_old − m_new)") for answer, match in [
+        (make_flash(no_rescale=True), "l and acc are not rescaled by exp\\(m_old − m_new\\) when the max grows"),
+        (make_flash(divide_in_loop=True), "divide by l once, after the last key block"),
+        (make_flash(lse_without_max=True), "lse equals log l without the row max"),
+        (make_flash(base2=True), "lse is in base 2"),
+        (make_flash(diagonal_hidden=True), "the causal mask hides the diagonal"),
+        (make_flash(no_mask=True, no_skip=True), "o equals non-causal attention: the causal mask is missing"),
+        (make_flash(no_scale=True), "the scale 1/√D is missing"),
+        (make_flash(no_max=True), "exp of a score above 709 overflows float64"),
+        (make_flash(no_skip=True), "the key blocks wholly after a query block's last row were computed"),
+        (written_out, "you built the whole T×T score matrix"),
+        (keys_tiled_only, "a strip of the score matrix"),
+    ]],
 ]
 
 
 @pytest.mark.parametrize("check, answers", [(ch03.zero1_step, [unwritten]), (ch03.checkpoint, [unwritten]),
-                                            (ch03.pack_hooks, [unwritten, unwritten])])
+                                            (ch03.pack_hooks, [unwritten, unwritten]),
+                                            (ch03.flash_forward, [unwritten])])
 def test_an_unwritten_answer_is_not_attempted(check, answers, capsys):
     not_attempted(check, *answers, capsys=capsys)
