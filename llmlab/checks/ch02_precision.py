@@ -16,12 +16,12 @@ on another copy with a `DynamicLossScaler` of the same settings. The loss is 2�
 that unscaled fp16 gradients would sit among fp16's subnormals. Some steps are planted overflows — a huge loss
 (× 2¹⁰⁰ in fp32: the fp16 gradients become inf) or a NaN loss — and the default init_scale 2¹⁶, which is inf in
 fp16, overflows by itself. After every step the check compares: the masters' gradients when `optimizer.step()`
-runs (seen by a step pre-hook, and whether it runs at all), the value returned, the scale, the masters, the fp16
-model's weights, and that the fp16 model's gradients were cleared. The scripted cases come first, so each known
-mistake is met where the check can name it: the scale grown on an overflow step, grown one step late, the count
-of clean steps not restarted after an overflow, the optimizer stepped on an overflow step, the gradients not
-unscaled, unscaled twice or in fp16, copied without `.float()`, the masters not copied back, the fp16 gradients
-left behind by a skipped step.
+runs (seen by a step pre-hook, and whether it runs at all), the value returned, the scale, the masters and the
+fp16 model's weights; gradients left in the fp16 model show in the next step's. The scripted cases come first, so
+each known mistake is met where the check can name it: the scale grown on an overflow step, grown one step late,
+the count of clean steps not restarted after an overflow, the optimizer stepped on an overflow step, the gradients
+not unscaled, unscaled twice or in fp16, copied without `.float()`, the masters not copied back, the fp16
+gradients left behind by a skipped step.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ __all__ = ["fp16_training"]
 
 LOSS_FACTOR = 2.0**-10  # the loss's own scale: unscaled, its fp16 gradients would be subnormal or 0
 HUGE = 2.0**100  # a planted overflow: the loss × HUGE is finite in fp32, its gradient is inf in fp16
-KINDS = {"c": "a clean loss", "h": "a huge loss, × 2^100", "n": "a NaN loss"}
+KINDS = {"c": "a clean loss", "h": "a huge loss (× 2^100)", "n": "a NaN loss"}  # the steps of a case's plan
 
 _FORMULA = ("scaler.scale_loss(loss).backward() (loss.float() × S); for each fp16 parameter p and its master m: "
             "m.grad = p.grad.float(), p.grad = None; found_inf = scaler.unscale_(the masters' grads) (each × 1/S "
@@ -93,9 +93,9 @@ class _Case:
                     growth_interval=self.growth_interval)
 
     def __str__(self):
-        return (f"'{self.plan}' (c a clean loss, h a huge loss, n a NaN loss; init_scale={self.init_scale:g}, "
-                f"growth_factor={self.growth_factor:g}, backoff_factor={self.backoff_factor:g}, "
-                f"growth_interval={self.growth_interval})")
+        kinds = ", ".join(f"{k} {text}" for k, text in KINDS.items())
+        return (f"'{self.plan}' ({kinds}; init_scale={self.init_scale:g}, growth_factor={self.growth_factor:g}, "
+                f"backoff_factor={self.backoff_factor:g}, growth_interval={self.growth_interval})")
 
 
 def _cases(rng: random.Random) -> list[_Case]:
