@@ -3,7 +3,6 @@
 answer with a message naming the mistake and the hint. The multi-rank checks share ch02's one Cluster(4)."""
 
 
-import random
 import time
 
 import pytest
@@ -17,6 +16,7 @@ from llmlab.checks import ch02, ch02_ddp
 from llmlab.parallel import schedules
 from llmlab.parallel.ddp import DataParallel, buckets
 from llmlab.parallel.schedules import Action
+from llmlab.precision import DynamicLossScaler
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -129,55 +129,168 @@ def gathered(x, w, b, group=None):
 
 # --- 2.3 ----------------------------------------------------------------------------------------------------
 
-def update_scale(scale, tracker, found_inf, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+class LossScaler:
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        self.scale, self.growth_factor, self.backoff_factor = init_scale, growth_factor, backoff_factor
+        self.growth_interval, self.clean_steps = growth_interval, 0
+
+    def scale_loss(self, loss):
+        return loss.float() * self.scale
+
+    def unscale_(self, grads):
+        found_inf = False
+        for g in grads:
+            g.div_(self.scale)
+            found_inf |= not torch.isfinite(g).all().item()
+        return found_inf
+
+    def update(self, found_inf):
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.clean_steps = 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.clean_steps = 0
+
+
+def fp16_step(model, masters, optimizer, scaler, loss):
+    scaler.scale_loss(loss).backward()
+    params = list(model.parameters())
+    for p, m in zip(params, masters, strict=True):
+        m.grad = p.grad.float()
+        p.grad = None
+    found_inf = scaler.unscale_([m.grad for m in masters])
+    scaler.update(found_inf)
+    if not found_inf:
+        optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters, strict=True):
+                p.copy_(m)
+    optimizer.zero_grad(set_to_none=True)
+    return not found_inf
+
+
+def zeroes_first(model, masters, optimizer, scaler, loss):  # the gradients cleared before backward: also right
+    model.zero_grad(set_to_none=True)
+    scaler.scale_loss(loss).backward()
+    for p, m in zip(model.parameters(), masters, strict=True):
+        m.grad = p.grad.float()
+    found_inf = scaler.unscale_([m.grad for m in masters])
+    scaler.update(found_inf)
     if found_inf:
-        return scale * backoff_factor, 0
-    tracker += 1
-    if tracker == growth_interval:
-        return scale * growth_factor, 0
-    return scale, tracker
+        return False
+    optimizer.step()
+    with torch.no_grad():
+        for p, m in zip(model.parameters(), masters, strict=True):
+            p.data = m.half()
+    return True
 
 
-def grows_on_overflow(scale, tracker, found_inf, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
-    tracker += 1  # counts the overflow steps too: one can land on the growth
-    if tracker == growth_interval:
-        return scale * growth_factor, 0
-    return (scale * backoff_factor, 0) if found_inf else (scale, tracker)
+class GrowsOnOverflow(LossScaler):
+    def update(self, found_inf):
+        self.clean_steps += 1  # counts the overflow steps too: one can land on the growth
+        if self.clean_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.clean_steps = 0
+        elif found_inf:
+            self.scale *= self.backoff_factor
+            self.clean_steps = 0
 
 
-def grows_a_step_late(scale, tracker, found_inf, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
-    if found_inf:
-        return scale * backoff_factor, 0
-    if tracker == growth_interval:
-        return scale * growth_factor, 0
-    return scale, tracker + 1
+class GrowsAStepLate(LossScaler):
+    def update(self, found_inf):
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.clean_steps = 0
+        elif self.clean_steps == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.clean_steps = 0
+        else:
+            self.clean_steps += 1
 
 
-def test_scaler_sequences_keep_the_scale_in_float32s_range():
-    """GradScaler holds its scale in float32 and does not grow it to inf, where the exercise's rule would: the random
-    sequences must keep every scale below 2^127 (before they did not, and 3 calls in 300 failed the right answer)."""
-    for seed in range(1000):
-        for init, growth, backoff, interval, steps in ch02._scaler_sequences(random.Random(seed)):
-            scale, tracker, top = init, 0, init
-            for step in steps:
-                scale, tracker = update_scale(scale, tracker, step == "i", growth, backoff, interval)
-                top = max(top, scale)
-            assert 2.0**-126 <= scale and top < 2.0**127, (seed, init, growth, interval, steps)
+class KeepsCounting(LossScaler):
+    def update(self, found_inf):
+        if found_inf:
+            self.scale *= self.backoff_factor
+        else:
+            super().update(False)
 
 
-def keeps_counting(scale, tracker, found_inf, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
-    if found_inf:
-        return scale * backoff_factor, tracker
-    return update_scale(scale, tracker, False, growth_factor, backoff_factor, growth_interval)
+class UnscalesTwice(LossScaler):
+    def unscale_(self, grads):
+        super().unscale_(grads)
+        return super().unscale_(grads)
 
 
-def llmlab_scaler(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval):
-    from llmlab.precision import DynamicLossScaler
+class NeverUnscales(LossScaler):
+    def unscale_(self, grads):
+        return not all(torch.isfinite(g).all() for g in grads)
 
-    s = DynamicLossScaler(scale, growth_factor, backoff_factor, growth_interval)
-    s.load_state_dict({"scale": scale, "clean_steps": tracker})
-    s.update(found_inf)
-    return s.scale, s.clean_steps
+
+def _finish(model, masters, optimizer, scaler, found_inf, step_anyway=False, copy_back=True):
+    scaler.update(found_inf)
+    if step_anyway or not found_inf:
+        optimizer.step()
+        if copy_back:
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), masters, strict=True):
+                    p.copy_(m)
+    optimizer.zero_grad()
+    return not found_inf
+
+
+def _backward(model, masters, scaler, loss, clear=True):
+    scaler.scale_loss(loss).backward()
+    for p, m in zip(model.parameters(), masters, strict=True):
+        m.grad = p.grad.float()
+        if clear:
+            p.grad = None
+    return scaler.unscale_([m.grad for m in masters])
+
+
+def steps_on_overflow(model, masters, optimizer, scaler, loss):
+    found_inf = _backward(model, masters, scaler, loss)
+    return _finish(model, masters, optimizer, scaler, found_inf, step_anyway=True)
+
+
+def never_copies_back(model, masters, optimizer, scaler, loss):
+    found_inf = _backward(model, masters, scaler, loss)
+    return _finish(model, masters, optimizer, scaler, found_inf, copy_back=False)
+
+
+def clears_only_when_stepping(model, masters, optimizer, scaler, loss):
+    found_inf = _backward(model, masters, scaler, loss, clear=False)
+    if not found_inf:
+        model.zero_grad()
+    return _finish(model, masters, optimizer, scaler, found_inf)
+
+
+def without_float(model, masters, optimizer, scaler, loss):
+    scaler.scale_loss(loss).backward()
+    for p, m in zip(model.parameters(), masters, strict=True):
+        m.grad = p.grad  # fp16 into an fp32 tensor's .grad: torch refuses
+    return True
+
+
+def unscales_in_fp16(model, masters, optimizer, scaler, loss):
+    scaler.scale_loss(loss).backward()
+    for p, m in zip(model.parameters(), masters, strict=True):
+        p.grad.div_(scaler.scale)  # in fp16: the small gradients lose their bits among the subnormals
+        m.grad = p.grad.float()
+        p.grad = None
+    return _finish(model, masters, optimizer, scaler, not all(torch.isfinite(m.grad).all() for m in masters))
+
+
+def returns_nothing(model, masters, optimizer, scaler, loss):
+    fp16_step(model, masters, optimizer, scaler, loss)
+
+
+class UnwrittenScaler:
+    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+        raise NotImplementedError("Exercise 2.3")
 
 
 # --- 2.5 ----------------------------------------------------------------------------------------------------
@@ -394,14 +507,31 @@ ANSWERS = [
     Mistake(ch02.column_parallel_linear, lambda x, w, b, group=None: column_parallel_linear(x, w, b, group).detach(),
             match="does not require grad", hint=COLUMN_HINT),
 
-    Reference(ch02.update_scale, update_scale),
-    Reference(ch02.update_scale, llmlab_scaler),
-    Mistake(ch02.update_scale, grows_on_overflow, match="found_inf=True: .* the scale grew on an overflow step",
+    Reference(ch02.fp16_training, LossScaler, fp16_step),
+    Reference(ch02.fp16_training, DynamicLossScaler, fp16_step),  # llmlab's own scaler
+    Reference(ch02.fp16_training, LossScaler, zeroes_first),
+    Mistake(ch02.fp16_training, GrowsOnOverflow, fp16_step, match="step 10 of .* the scale grew on an overflow step",
             hint="never grow"),
-    Mistake(ch02.update_scale, grows_a_step_late, match="grow now, when the counter reaches growth_interval",
+    Mistake(ch02.fp16_training, GrowsAStepLate, fp16_step,
+            match="grow now, when the count reaches growth_interval, not one step later", hint="never grow"),
+    Mistake(ch02.fp16_training, KeepsCounting, fp16_step, match="must restart from 0 after an overflow",
             hint="never grow"),
-    Mistake(ch02.update_scale, keeps_counting, match="restart from 0 after an overflow", hint="never grow"),
-    Mistake(ch02.update_scale, lambda *args: 1.0, match="expected the pair", hint="never grow"),
+    Mistake(ch02.fp16_training, LossScaler, steps_on_overflow, match=r"optimizer.step\(\) ran on an overflow step",
+            hint="no optimizer step and no copy back"),
+    Mistake(ch02.fp16_training, UnscalesTwice, fp16_step, match="the gradients were unscaled twice",
+            hint="divide them by S there, once"),
+    Mistake(ch02.fp16_training, NeverUnscales, fp16_step, match="× the right one: unscale the gradients",
+            hint="divide them by S there, once"),
+    Mistake(ch02.fp16_training, LossScaler, unscales_in_fp16, match="it is unscaled in fp16",
+            hint="divide them by S there, once"),
+    Mistake(ch02.fp16_training, LossScaler, without_float, match=r"copy them into the masters with .float\(\)",
+            hint="(.float())"),
+    Mistake(ch02.fp16_training, LossScaler, never_copies_back,
+            match="the fp16 model still holds its weights from before the step", hint="copying each master"),
+    Mistake(ch02.fp16_training, LossScaler, clears_only_when_stepping,
+            match="the fp16 model's .grad still held the last step's gradients", hint="the next backward adds"),
+    Mistake(ch02.fp16_training, LossScaler, returns_nothing, match="returned None; expected True if the optimizer",
+            hint="where does your step part from the recipe"),
     Reference(ch02.pipeline_1f1b, one_f_one_b, step_time),
     Mistake(ch02.pipeline_1f1b, lambda p, m: schedules.schedule("gpipe", p, m), step_time,
             match="GPipe's order", hint="alternates one forward"),
@@ -438,9 +568,14 @@ ANSWERS = [
 ]
 
 
-@pytest.mark.parametrize("check", [ch02.average_gradients, ch02.column_parallel_linear, ch02.update_scale])
+@pytest.mark.parametrize("check", [ch02.average_gradients, ch02.column_parallel_linear])
 def test_an_unwritten_answer_is_not_attempted(check, capsys):
     not_attempted(check, unwritten, capsys=capsys)
+
+
+@pytest.mark.parametrize("answers", [(UnwrittenScaler, fp16_step), (LossScaler, unwritten)])
+def test_an_unwritten_fp16_answer_is_not_attempted(answers, capsys):
+    not_attempted(ch02.fp16_training, *answers, capsys=capsys)
 
 
 def test_an_unwritten_pipeline_answer_is_not_attempted(capsys):

@@ -1,13 +1,15 @@
-"""Checks for chapter 2's exercises (solutions/02_parallelism.ipynb): DDP's gradient averaging, Megatron's
-column-parallel linear layer (forward and backward), and the dynamic loss scaler's update rule; the 1F1B schedule
-(2.4) and bucketed DDP (2.5) have modules of their own, ch02_pipeline and ch02_ddp, imported here.
+"""Checks for chapter 2's exercises (solutions/02_parallelism.ipynb): DDP's gradient averaging and Megatron's
+column-parallel linear layer (forward and backward); fp16 training with a dynamic loss scaler (2.3), the 1F1B
+schedule (2.4), bucketed DDP (2.5) and the interleaved 1F1B schedule (2.6) have modules of their own, ch02_precision,
+ch02_pipeline, ch02_ddp and ch02_interleaved, imported here.
 
     from llmlab.checks import ch02 as check
     check.average_gradients(average_gradients)            # 2.1, on 4 ranks
     check.column_parallel_linear(column_parallel_linear)  # 2.2, on 4 ranks
-    check.update_scale(update_scale)                      # 2.3, against torch.amp.GradScaler
+    check.fp16_training(LossScaler, fp16_step)            # 2.3, against llmlab.precision.MixedPrecision
     check.pipeline_1f1b(one_f_one_b, step_time)           # 2.4, against llmlab.parallel.schedules
     check.bucketed_ddp(BucketedDDP)                       # 2.5, on 4 ranks, against llmlab.parallel.ddp
+    check.interleaved_1f1b(interleaved_1f1b)              # 2.6, simulated, against llmlab.parallel.schedules
 
 The multi-rank checks (2.1, 2.2, 2.5) run the learner's function — defined in a notebook, it travels to the ranks by
 value with cloudpickle — on the ranks of one gloo `llmlab.dist.Cluster(4)`, started on first use, reused by every later
@@ -19,12 +21,11 @@ reduces over the wrong ranks, and the check says so. A `NotImplementedError` rai
 
 Inputs are fresh random ones on every run, in float64 for 2.2 (so the tolerance can be tight) and in float32 and
 float64 for 2.1; shapes include odd sizes and a 0-d tensor. When an answer matches a known mistake (the sum
-instead of the mean, the backward all-reduce forgotten, the scale grown on an overflow step...) the check says so.
+instead of the mean, the backward all-reduce forgotten...) the check says so.
 """
 
 from __future__ import annotations
 
-import math
 import random
 
 import torch
@@ -33,10 +34,12 @@ import torch.distributed as td
 from llmlab import checks
 from llmlab.checks import Hint, Mismatch, assert_close, check, fresh_rng
 from llmlab.checks.ch02_ddp import PARTITIONS, TIMEOUT_S, WORLD_SIZE, bucketed_ddp, cluster, my_group
+from llmlab.checks.ch02_interleaved import interleaved_1f1b
 from llmlab.checks.ch02_pipeline import pipeline_1f1b
+from llmlab.checks.ch02_precision import fp16_training
 
-__all__ = ["average_gradients", "column_parallel_linear", "update_scale", "pipeline_1f1b", "bucketed_ddp", "cluster",
-           "close_cluster", "WORLD_SIZE", "PARTITIONS"]
+__all__ = ["average_gradients", "column_parallel_linear", "fp16_training", "pipeline_1f1b", "bucketed_ddp",
+           "interleaved_1f1b", "cluster", "close_cluster", "WORLD_SIZE", "PARTITIONS"]
 
 close_cluster = checks.close_clusters
 
@@ -261,100 +264,3 @@ def _input_grad_diagnosis(got, full, own, n: int, groups: int) -> str:
         return (f": it is {groups}× the right one, summed over all {WORLD_SIZE} ranks instead of this group's {n}: "
                 "pass group=ctx.group (the group given to forward) to the all-reduce")
     return ""
-
-
-# --- 2.3: the dynamic loss scaler's update rule --------------------------------------------------------------
-
-def _scaler_sequences(rng: random.Random):
-    """(init_scale, growth_factor, backoff_factor, growth_interval, steps); steps: c (clean) or i (inf) per step."""
-    sequences = [(2.0**16, 2.0, 0.5, 3, "ccccccccc"),  # growth every 3 clean steps
-                 (2.0**16, 2.0, 0.5, 3, "iccciccccciiccc"),  # overflow resets the count
-                 (2.0**10, 2.0, 0.5, 1, "cicicc"),  # growth_interval 1: grow after every clean step
-                 (2.0**16, 2.0, 0.5, 2000, "iiiccc")]  # the defaults: the first steps of a real fp16 run
-    for _ in range(8):
-        p_inf = rng.choice([0.05, 0.2, 0.5])
-        steps = "".join("i" if rng.random() < p_inf else "c" for _ in range(rng.randint(20, 60)))
-        growth, backoff, interval = rng.choice([2.0, 4.0]), rng.choice([0.5, 0.25]), rng.randint(1, 7)
-        # GradScaler keeps the scale in float32 and does not grow it to inf: keep every scale below 2^127 (at most
-        # one growth per `interval` clean steps), so the exercise's rule and GradScaler agree. Without this, 3 calls
-        # in 300 grew past 2^126 and failed the right answer. The lowest scale, 2^0 · 0.25^60, stays a normal float32.
-        top = 126 - int(math.log2(growth)) * (steps.count("c") // interval)  # ≥ 6
-        sequences.append((2.0 ** min(rng.randint(0, 24), top), growth, backoff, interval, steps))
-    return sequences
-
-
-def _grad_scaler_trajectory(init_scale, growth_factor, backoff_factor, growth_interval, steps):
-    """[(scale, growth tracker)] after each step of torch.amp.GradScaler, driven through its public API."""
-
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_factor=growth_factor,
-                                  backoff_factor=backoff_factor, growth_interval=growth_interval)
-    w = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([w], lr=0.0)
-    out = []
-    for step in steps:
-        scaler.scale(w.sum()).backward()  # GradScaler wants a scale() before step()
-        w.grad.fill_(float("inf") if step == "i" else 1.0)  # what the backward found
-        scaler.step(opt)  # skipped on inf
-        scaler.update()
-        opt.zero_grad()
-        out.append((scaler.get_scale(), int(scaler.state_dict()["_growth_tracker"])))
-    return out
-
-
-@check("2.3", "the loss scaler's update rule", hint=Hint(
-    nudge="take the two kinds of step in turn: what must happen to the scale and the counter on an overflow step, "
-          "and what on a clean one?",
-    idea="an overflow shrinks the scale and restarts the count of clean steps; only a run of growth_interval clean "
-         "steps in a row grows it, after which the count restarts",
-    formula="on an overflow step (found_inf) multiply the scale by backoff_factor and reset the counter to 0 — "
-            "never grow; on a clean step add 1 to the counter, and when it reaches growth_interval multiply the "
-            "scale by growth_factor and reset the counter to 0"))
-def update_scale(fn):
-    """`fn(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval)` → (new scale, new
-    growth_tracker), after one step; compared with torch.amp.GradScaler step by step."""
-    for init, growth, backoff, interval, steps in _scaler_sequences(fresh_rng()):
-        scale, tracker = init, 0
-        for t, ((want_scale, want_tracker), step) in enumerate(zip(
-                _grad_scaler_trajectory(init, growth, backoff, interval, steps), steps, strict=True)):
-            found_inf = step == "i"
-            answer = fn(scale, tracker, found_inf, growth, backoff, interval)
-            what = (f"step {t} of '{steps}' (c clean, i inf/NaN found; growth_factor={growth:g}, "
-                    f"backoff_factor={backoff:g}, growth_interval={interval}, init_scale={init:g}): from scale "
-                    f"{scale:g} and growth_tracker {tracker}, found_inf={found_inf}")
-            if not isinstance(answer, tuple | list) or len(answer) != 2:
-                raise Mismatch(f"{what}: returned {answer!r:.80}; expected the pair (new scale, new growth_tracker)")
-            try:
-                got_scale, got_tracker = float(answer[0]), int(answer[1])
-            except (TypeError, ValueError):
-                raise Mismatch(f"{what}: returned {answer!r:.80}; expected a number and an int") from None
-            # the scales are powers of 2 (every factor drawn is one), exact in float64 and in GradScaler's float32;
-            # 1e-6 lets an answer that keeps its scale in float32 rounded otherwise still pass
-            if abs(got_scale - want_scale) > 1e-6 * want_scale or got_tracker != want_tracker:
-                raise Mismatch(f"{what}: returned ({got_scale:g}, {got_tracker}), torch.amp.GradScaler has "
-                               f"({want_scale:g}, {want_tracker})"
-                               + _scaler_diagnosis(scale, tracker, found_inf, got_scale, got_tracker, interval))
-            scale, tracker = got_scale, got_tracker
-
-
-def _scaler_diagnosis(scale, tracker, found_inf, got_scale, got_tracker, interval) -> str:
-    if found_inf and got_scale > scale:
-        return ": the scale grew on an overflow step — an inf/NaN gradient means the scale is too large"
-    if found_inf and got_scale == scale:
-        return ": the scale did not back off on an overflow step"
-    if found_inf and got_tracker != 0:
-        return ": the counter of clean steps must restart from 0 after an overflow"
-    if not found_inf and got_scale < scale:
-        return ": the scale shrank on a clean step"
-    if not found_inf and tracker + 1 == interval and got_scale == scale:
-        return (f": this is the growth_interval-th ({interval}) clean step in a row — grow now, when the counter "
-                "reaches growth_interval, not one step later")
-    if not found_inf and tracker + 1 < interval and got_scale > scale:
-        return f": grew after {tracker + 1} clean steps; growth_interval is {interval}"
-    if not found_inf and got_scale > scale and got_tracker != 0:
-        return ": after growing, the counter restarts from 0"
-    return ""
-
-
-from llmlab.checks.ch02_interleaved import interleaved_1f1b  # noqa: E402 - 2.6 (its own module), appended
-
-__all__ += ["interleaved_1f1b"]
