@@ -1,6 +1,7 @@
 """Chapter 6's exercise checks (llmlab.checks.ch06): each passes a right answer, reports an unwritten one as not
-attempted, and fails each plausible wrong answer with a message naming the mistake — a ramp past peak_lr, a
-decay to 0, per-tensor clipping, the norm after clipping, clipping before unscaling — and the hint.
+attempted, and fails each plausible wrong answer with a message naming the mistake — a scheduler one update
+late, a decay to 0, a schedule that restarts when resumed, per-tensor clipping, the norm after clipping, clipping
+before unscaling — and the hint.
 
 The wrong answers are the right one with one thing changed (a `mistake` argument), so each test shows the one
 slip its message names.
