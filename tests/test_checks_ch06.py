@@ -1,11 +1,13 @@
 """Chapter 6's exercise checks (llmlab.checks.ch06): each passes a right answer, reports an unwritten one as not
-attempted, and fails each plausible wrong answer with a message naming the mistake — a ramp past peak_lr, a
-decay to 0, per-tensor clipping, the norm after clipping, clipping before unscaling — and the hint.
+attempted, and fails each plausible wrong answer with a message naming the mistake — a scheduler one update
+late, a decay to 0, a schedule that restarts when resumed, per-tensor clipping, the norm after clipping, clipping
+before unscaling — and the hint.
 
 The wrong answers are the right one with one thing changed (a `mistake` argument), so each test shows the one
 slip its message names.
 """
 
+import copy
 import math
 import time
 
@@ -13,11 +15,13 @@ import pytest
 import torch
 from check_answers import Mistake, Reference
 from grading import not_attempted
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
-from llmlab.checks import ch06
+from llmlab import validation
+from llmlab.checks import ch06, ch06_schedule
 from llmlab.monitor import Monitor
 from llmlab.train.clip import clip_grad_norm
-from llmlab.train.schedule import material_warmup_lr, warmup_cosine_lr
+from llmlab.train.schedule import LRSchedule
 
 
 @pytest.fixture(autouse=True)
@@ -31,75 +35,112 @@ def unwritten(*args):
 
 # --- 6.1 ----------------------------------------------------------------------------------------------------
 
-def lr_at(step, peak_lr, warmup, total, min_lr, mistake=None, shift=1):
-    """Linear warmup then cosine decay, written out; `mistake` changes one thing. `shift` 1: llmlab's ramp,
-    (step + 1)/warmup; 0: the ramp from LR 0 at update 0, step/warmup (the material's, Hugging Face's)."""
+def lr(step, base, warmup, total, ratio, mistake=None, shift=1):
+    """Linear warmup then cosine decay to ratio·base, written out; `mistake` changes one thing. `shift` 1: llmlab's
+    ramp, (step + 1)/warmup; 0: the ramp from LR 0 at update 0, step/warmup (the material's, Hugging Face's)."""
     if step < warmup or (mistake == "ramp too long" and step == warmup > 0):
-        return peak_lr * (step + shift) / (total if mistake == "over total" else warmup)
-    span = total - (0 if mistake == "one too long" else 1) - (0 if mistake == "from zero" else warmup)
-    start = 0 if mistake == "from zero" else warmup
+        return base * (step + shift) / warmup
+    start = 0 if mistake == "over total" else warmup
+    span = total - (0 if mistake == "one too long" else 1) - start
     if mistake == "unguarded":
         progress = min((step - start) / span, 1.0)
     elif mistake == "span at least 1":  # a guard against dividing by 0 that leaves progress 0 where no span is left
         progress = min((step - start) / max(1, span), 1.0)
-    elif mistake == "zero span only":
-        progress = min((step - start) / span, 1.0) if span != 0 else 1.0
     else:
         progress = (step - start) / span if span > 0 else 1.0
         progress = progress if mistake == "no clamp" else min(progress, 1.0)
-    floor = 0.0 if mistake == "to zero" else min_lr
-    return floor + (peak_lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    floor = 0.0 if mistake == "to zero" else ratio * base
+    return floor + (base - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-LR_MISTAKES = {  # mistake: (what the message says, a word of the hint)
-    "ramp too long": (r"step=10, .*the ramp runs one update too long: update warmup is above peak_lr",
-                      "(step + 1)/warmup"),
-    "over total": (r"the ramp divides by total, not warmup", "(step + 1)/warmup"),
-    "from zero": (r"the cosine starts at update 0, not at the end of warmup", "progress = min((step − warmup)"),
-    "to zero": (r"the LR decays to 0, not to min_lr", "min_lr + (peak_lr − min_lr)"),
-    "one too long": (r"the decay is one update too long, so the last update \(total − 1\) ends above min_lr",
-                     "total − 1 − warmup"),
-    "no clamp": (r"step=\d+, .*after the last update the LR rises again along the cosine: clamp progress at 1",
-                 "), 1)"),
-    "unguarded": (r"warmup=9, total=10.*divided by zero: with warmup = total − 1 no update is left to decay over",
-                  "1 when total − 1 − warmup ≤ 0"),
-    "span at least 1": (r"warmup=9, total=10.* = 0.001, expected 0.0001 \(relative difference 0.9\): with warmup = "
-                        r"total − 1 no update is left .* max\(1, total − 1 − warmup\) makes progress 0",
-                        "1 when total − 1 − warmup ≤ 0"),
-    "zero span only": (r"warmup=20, total=20.*this run is all warmup \(warmup = total\), so total − 1 − warmup is "
-                       "negative", "1 when total − 1 − warmup ≤ 0"),
-}
+def warmup_cosine(mistake=None, shift=1):
+    """The solution's WarmupCosine class; `mistake` changes one thing ("float32": right, the LRs computed in
+    float32 tensors)."""
+
+    class WarmupCosine(LRScheduler):
+        def __init__(self, optimizer, warmup, total, min_lr_ratio=0.0, last_epoch=-1):
+            bad = [(not isinstance(warmup, int) or warmup < 0, f"warmup={warmup!r} must be an int >= 0"),
+                   (not isinstance(total, int) or total < 1, f"total={total!r} must be an int >= 1"),
+                   (warmup > total or (mistake == "too strict" and warmup == total),
+                    f"warmup={warmup} must be <= total={total}"),
+                   (not 0.0 <= min_lr_ratio <= 1.0, f"min_lr_ratio={min_lr_ratio!r} must be in [0, 1]")]
+            for wrong, message in bad[:3] if mistake == "ratio unchecked" else bad:
+                if mistake == "assert":
+                    assert not wrong, message
+                elif wrong:
+                    raise ValueError("bad argument" if mistake == "unnamed" else message)
+            self.warmup, self.total, self.min_lr_ratio = warmup, total, min_lr_ratio
+            if mistake == "own counter":
+                self.t = 0  # the update about to be taken: a counter of its own, beside last_epoch
+            if mistake == "lambda":  # the schedule kept as a lambda: in state_dict(), which torch.save cannot pickle
+                self.schedule = lambda step, base: lr(step, base, warmup, total, min_lr_ratio, shift=shift)
+            super().__init__(optimizer, last_epoch)
+
+        def get_lr(self):
+            step = {"one late": self.last_epoch - 1, "one early": self._step_count}.get(mistake, self.last_epoch)
+            if mistake == "own counter":
+                step, self.t = self.t, self.t + 1
+            bases = {"group 0": [self.base_lrs[0]] * len(self.base_lrs),
+                     "compounded": [g["lr"] for g in self.optimizer.param_groups]}.get(mistake, self.base_lrs)
+            if mistake == "lambda":
+                return [self.schedule(step, base) for base in bases]
+            if mistake == "float32":
+                return [float32_lr(step, base, self.warmup, self.total, self.min_lr_ratio) for base in bases]
+            return [lr(step, base, self.warmup, self.total, self.min_lr_ratio, mistake=mistake, shift=shift)
+                    for base in bases]
+
+    return WarmupCosine
 
 
-def material(step, peak_lr, warmup, total, min_lr):  # the material's own warmup, then llmlab's decay
-    return material_warmup_lr(step, peak_lr, warmup) if step < warmup else \
-        warmup_cosine_lr(step, peak_lr, warmup, total, min_lr)
-
-
-def hugging_face(step, peak_lr, warmup, total, min_lr):
-    """transformers' get_cosine_with_min_lr_schedule_with_warmup ramp, current_step / max(1, num_warmup_steps),
-    (transformers, src/transformers/optimization.py), on llmlab's decay (which ends at update total − 1)."""
-    return peak_lr * step / max(1, warmup) if step < warmup else warmup_cosine_lr(step, peak_lr, warmup, total, min_lr)
-
-
-def mixed(step, peak_lr, warmup, total, min_lr):  # LR 0 at update 0, then llmlab's ramp: not one line
-    return 0.0 if step == 0 < warmup else lr_at(step, peak_lr, warmup, total, min_lr)
-
-
-def float32(step, peak_lr, warmup, total, min_lr):
+def float32_lr(step, base, warmup, total, ratio):
     """The definition computed in float32 throughout (torch tensors): right, within float32's rounding."""
-    lr = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
-    peak, floor = lr(peak_lr), lr(min_lr)
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    peak, floor = f32(base), f32(ratio * base)
     if step < warmup:
         return peak * (step + 1) / warmup
     span = total - 1 - warmup
-    progress = lr(min((step - warmup) / span, 1.0) if span > 0 else 1.0)
+    progress = f32(min((step - warmup) / span, 1.0) if span > 0 else 1.0)
     return floor + (peak - floor) * 0.5 * (1 + torch.cos(math.pi * progress))
 
 
-def ramp_first(step, peak_lr, warmup, total, min_lr):
-    ramp = (step + 1) / warmup  # computed before asking whether step < warmup
-    return peak_lr * ramp if step < warmup else lr_at(step, peak_lr, warmup, total, min_lr)
+def llmlab_schedule(optimizer, warmup, total, min_lr_ratio=0.0, last_epoch=-1):
+    """llmlab's own LRSchedule (a peak of 1: the multiplier of each group's base LR) under torch's LambdaLR."""
+    validation.number("min_lr_ratio", min_lr_ratio, 0, 1)  # LRSchedule names it min_lr
+    schedule = LRSchedule(base_lr=1.0, total_steps=total, warmup=warmup, min_lr=min_lr_ratio)
+    return LambdaLR(optimizer, schedule, last_epoch=last_epoch)
+
+
+SCHEDULE_MISTAKES = {  # mistake: (what the message says, a word of the hint, the ramp starts it is planted on)
+    "one late": (r"update 11 is .*: the schedule runs one update late — LR 0 at update 0", "last_epoch is 0", (1,)),
+    "one early": (r"the schedule runs one update early: .*self._step_count", "last_epoch is 0", (1, 0)),
+    "ramp too long": (r"update 10 is .*the ramp runs one update too long", "updates 0 … warmup − 1", (1,)),
+    "to zero": (r"the LR decays to 0, not to the floor min_lr_ratio·base", "not to 0", (1, 0)),
+    "over total": (r"the cosine is spread over the whole run \(divided by total\)", "progress = min((s − warmup)",
+                   (1, 0)),
+    "one too long": (r"the decay is one update too long, so the last update \(total − 1\) ends above the floor",
+                     "total − 1 − warmup", (1, 0)),
+    "no clamp": (r"update 10[0-2] .*after the last update the LR rises again along the cosine: clamp progress",
+                 "stays 1 after it", (1, 0)),
+    "group 0": (r"param group 1's lr at update [01] is .*: that is group 0's LR", "base_lrs[i]", (1, 0)),
+    "compounded": (r"param group 0's lr at update 1 is .*the schedule applied to the group's LR of the update before",
+                   "base_lrs[i]", (1, 0)),
+    "own counter": (r"resumed at update \d+ by building it with last_epoch=\d+ .*: that is update 0's LR, the "
+                    r"schedule started again: it counts updates with a counter of its own", "self.last_epoch", (1, 0)),
+    "lambda": (r"at update \d+: torch.save\(scheduler.state_dict\(\)\) raised \w+ .*keep plain values", "no lambda",
+               (1, 0)),
+    "span at least 1": (r"warmup=9, total=10, .* is \S+, expected .*: no update is left to decay over \(total − "
+                        r"1 − warmup = 0\).* max\(1, total − 1 − warmup\)", "test the span before dividing", (1, 0)),
+    "unguarded": (r"warmup=9, total=10, .*: divided by zero: no update is left to decay over",
+                  "test the span before dividing", (1, 0)),
+    "too strict": (r"warmup=20, total=20, .*raised ValueError \(warmup=20 must be <= total=20\), but these arguments "
+                   "make a schedule", "warmup = total", (1,)),
+    "ratio unchecked": (r"WarmupCosine\(optimizer, warmup=1, total=\d+, min_lr_ratio=-[\d.]+\) was accepted: .*raise "
+                        "ValueError naming min_lr_ratio", "raise ValueError", (1,)),
+    "assert": (r"WarmupCosine\(optimizer, warmup=-\d, .*\) raised AssertionError \(warmup=-\d must be an int >= 0.*\), "
+               "expected a ValueError naming warmup", "raise ValueError", (1,)),
+    "unnamed": (r"raised ValueError\('bad argument'\), which does not say which argument is wrong: name warmup",
+                "raise ValueError", (1,)),
+}
 
 
 # --- 6.2 ----------------------------------------------------------------------------------------------------
@@ -287,21 +328,14 @@ MONITOR_MISTAKES = {  # mistake: (what the message says, a word of the hint)
 # --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
 
 ANSWERS = [
-    Reference(ch06.lr_at, lr_at),
-    Reference(ch06.lr_at, warmup_cosine_lr),  # llmlab's own, the reference
-    Reference(ch06.lr_at, lambda *args: lr_at(*args, shift=0)),  # LR 0 at update 0, then the same line
-    Reference(ch06.lr_at, material),  # the material's own warmup, then llmlab's decay
-    Reference(ch06.lr_at, hugging_face),
-    Reference(ch06.lr_at, float32),
-    *[Mistake(ch06.lr_at, lambda *args, m=mistake, s=shift: lr_at(*args, mistake=m, shift=s), match=match, hint=hint)
-      for mistake, (match, hint) in LR_MISTAKES.items()
-      for shift in ((1,) if mistake == "ramp too long" else (1, 0))],  # the same slips on either ramp (from 0, a
-    # ramp one update longer ends at peak_lr·warmup/warmup, which is right unless no decay span is left)
-    Mistake(ch06.lr_at, mixed, match=r"lr_at\(step=1, .* = 0.0002, expected 0.0001 \(relative difference 0.1\): "
-                                     r"update 0 had LR 0, .* keep to one",
-            hint="(step + 1)/warmup"),
-    Mistake(ch06.lr_at, ramp_first, match="warmup=0 means no warmup", hint="(step + 1)/warmup"),
-    Mistake(ch06.lr_at, lambda *args: "high", match=r"returned 'high'; expected a number", hint="cos(π·progress)"),
+    Reference(ch06.warmup_cosine, warmup_cosine()),
+    Reference(ch06.warmup_cosine, warmup_cosine(shift=0)),  # LR 0 at update 0, then the same line
+    Reference(ch06.warmup_cosine, warmup_cosine("float32")),
+    Reference(ch06.warmup_cosine, llmlab_schedule),  # llmlab's own, the reference
+    *[Mistake(ch06.warmup_cosine, warmup_cosine(mistake, shift), match=match, hint=hint)
+      for mistake, (match, hint, shifts) in SCHEDULE_MISTAKES.items() for shift in shifts],
+    Mistake(ch06.warmup_cosine, lambda optimizer, **_: "sched", match=r"built a str, not a torch.optim.lr_scheduler",
+            hint="super().__init__(optimizer, last_epoch)"),
 
     Reference(ch06.clip_grad_norm, clip),
     Reference(ch06.clip_grad_norm, torch.nn.utils.clip_grad_norm_),
@@ -324,9 +358,21 @@ ANSWERS = [
 ]
 
 
-@pytest.mark.parametrize("check", [ch06.lr_at, ch06.clip_grad_norm, ch06.scaled_step])
+@pytest.mark.parametrize("check", [ch06.clip_grad_norm, ch06.scaled_step])
 def test_an_unwritten_answer_is_not_attempted(check, capsys):
     not_attempted(check, unwritten, capsys=capsys)
+
+
+class UnwrittenScheduler(LRScheduler):  # the generated exercise's class: every method raises
+    def __init__(self, optimizer, warmup, total, min_lr_ratio=0.0, last_epoch=-1):
+        raise NotImplementedError("Exercise 6.1")
+
+    def get_lr(self):
+        raise NotImplementedError("Exercise 6.1")
+
+
+def test_an_unwritten_scheduler_is_not_attempted(capsys):
+    not_attempted(ch06.warmup_cosine, UnwrittenScheduler, capsys=capsys)
 
 
 class UnwrittenMonitor:  # the generated exercise's class: every method raises
@@ -341,24 +387,50 @@ def test_an_unwritten_monitor_is_not_attempted_at_once(capsys):
 
 
 def test_every_lr_mistake_differs_by_far_more_than_the_float32_tolerance():
-    """The tolerance accepts float32 answers (ch06._LR_TOL); each planted slip must still be seen: where it changes
-    a run at all, its largest difference over the run, relative to peak_lr, is ≥ 50× the tolerance, in every case
-    of 200 draws of the check's."""
+    """The tolerance accepts float32 answers (ch06_schedule._TOL); each planted slip of the schedule must still be
+    seen: on the first run of 200 draws of the check's (where each of them is named), its largest difference over
+    the run, relative to the base LR, is ≥ 50× the tolerance."""
     import random
 
     for seed in range(200):
-        for peak, warmup, total, floor in ch06._lr_cases(random.Random(seed)):
-            for mistake in LR_MISTAKES.keys() - {"unguarded", "zero span only"}:  # these raise, or differ by ~peak
-                for shift in (1, 0):
-                    gap = max(abs(lr_at(s, peak, warmup, total, floor, mistake=mistake, shift=shift)
-                                  - lr_at(s, peak, warmup, total, floor, shift=shift)) for s in range(total + 3))
-                    if gap > 1e-12 * peak:  # else this run does not show the slip (no decay to show a floor, ...)
-                        assert gap >= 50 * ch06._LR_TOL * peak, (mistake, shift, peak, warmup, total, floor, gap)
+        run = ch06_schedule._runs(random.Random(seed))[0]
+        for mistake in ("ramp too long", "to zero", "over total", "one too long", "no clamp"):
+            for shift in SCHEDULE_MISTAKES[mistake][2]:
+                for base in run.lrs:
+                    args = base, run.warmup, run.total, run.ratio
+                    gap = max(abs(lr(s, *args, mistake=mistake, shift=shift) - lr(s, *args, shift=shift))
+                              for s in range(run.total + 3))
+                    assert gap >= 50 * ch06_schedule._TOL * base, (mistake, shift, run, gap)
 
 
 def test_a_float32_answer_passes(capsys):
-    ch06.lr_at(float32)
+    ch06.warmup_cosine(warmup_cosine("float32"))
     assert "passed" in capsys.readouterr().out
+
+
+def test_the_solution_scheduler_drives_adamw_as_llmlabs_schedule_does():
+    """The exercise's claim: WarmupCosine drives a real optimizer. AdamW on a small model under the solution's
+    scheduler and under llmlab's LRSchedule in LambdaLR takes the same LRs and ends at the same weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(16, 4), torch.randn(16, 3)
+    ends = []
+    for make in (warmup_cosine(), llmlab_schedule):
+        net = copy.deepcopy(model)
+        optimizer = torch.optim.AdamW([{"params": [net.weight], "lr": 1e-2}, {"params": [net.bias], "lr": 3e-3}])
+        scheduler, lrs = make(optimizer, warmup=3, total=12, min_lr_ratio=0.1), []
+        for _ in range(12):
+            lrs.append([g["lr"] for g in optimizer.param_groups])
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+        ends.append((lrs, [p.detach().clone() for p in net.parameters()]))
+    for mine, ref in zip(ends[0][0], ends[1][0], strict=True):  # each update's LRs, group by group
+        assert mine == pytest.approx(ref, rel=1e-12)
+    assert ends[0][0][0] == pytest.approx([1e-2 / 3, 3e-3 / 3])  # update 0 already moves the weights
+    for mine, ref in zip(ends[0][1], ends[1][1], strict=True):
+        torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-7)
 
 
 def test_the_monitor_tolerance_has_a_margin(monkeypatch):

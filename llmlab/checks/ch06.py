@@ -1,23 +1,13 @@
-"""Checks for chapter 6's exercises (solutions/06_tuning.ipynb): the LR schedule, clipping, one whole update, and a
-training monitor's update/weight ratio.
+"""Checks for chapter 6's exercises (solutions/06_tuning.ipynb): the LR schedule as a PyTorch scheduler, clipping,
+one whole update, and a training monitor's update/weight ratio.
 
     from llmlab.checks import ch06 as check
-    check.lr_at(lr_at)                          # 6.1: (step, peak_lr, warmup, total, min_lr) -> the LR of update step
+    check.warmup_cosine(WarmupCosine)           # 6.1: an LRScheduler subclass -> each group's LR (ch06_schedule)
     check.clip_grad_norm(clip_grad_norm)        # 6.2: (parameters, max_norm) -> the norm before clipping
     check.scaled_step(scaled_step)              # 6.3: (model, optimizer, scaler, loss_fn, batches, max_norm) -> stepped
     check.update_monitor(UpdateMonitor)         # 6.4: a monitor class -> its update/weight ratios (ch06_monitor)
 
-**6.1** compares with `llmlab.train.schedule.warmup_cosine_lr` at every update of fresh random runs and of the
-edge cases: no warmup, warmup = total, warmup = total − 1 (nothing left to decay over), min_lr = 0 and = peak_lr,
-and three updates past the end. Either start of the linear ramp is accepted, consistently through a run: llmlab's
-(step + 1)/warmup, or step/warmup with LR 0 at update 0 — the material's formula and what Hugging Face's
-`get_linear_schedule_with_warmup` does (`current_step / max(1, num_warmup_steps)`, transformers'
-src/transformers/optimization.py). It names a ramp that runs one update too long (above peak_lr at update warmup) or
-divides by total instead of warmup, a cosine started at update 0 instead of at the end of warmup, a decay to 0
-instead of min_lr, a decay one update too long (the last update above min_lr), an LR rising again after the end, and
-a division by zero, a negative span or a span guarded with max(1, ·) (progress 0, not 1, where no update is left to
-decay over) in the edge cases. An answer in float32 passes (the tolerance, 1e-6 of the LR or of peak_lr, is
-justified at `_LR_TOL`); a rejection prints the relative difference.
+**6.1** is in `llmlab.checks.ch06_schedule` (its docstring says what it runs and names).
 
 **6.2** compares with `torch.nn.utils.clip_grad_norm_` on float32 parameter lists of odd shapes (0-d included),
 clipped and under the max, with some `.grad` None, with none at all, and passed as a generator (as
@@ -45,12 +35,12 @@ from llmlab.accumulate import accumulate_gradients
 from llmlab.checks import Hint, Mismatch, assert_close, check, fresh_rng
 from llmlab.checks.ch04 import accumulation_case, micro_batch_mse
 from llmlab.checks.ch06_monitor import update_monitor
+from llmlab.checks.ch06_schedule import warmup_cosine
 from llmlab.precision import DynamicLossScaler
 from llmlab.train.clip import clip_grad_norm as clip
 from llmlab.train.clip import grad_norm
-from llmlab.train.schedule import warmup_cosine_lr
 
-__all__ = ["lr_at", "clip_grad_norm", "scaled_step", "update_monitor"]
+__all__ = ["warmup_cosine", "clip_grad_norm", "scaled_step", "update_monitor"]
 
 _EPS = 1e-6  # torch's guard in the clipping coefficient max_norm / (norm + 1e-6)
 
@@ -60,149 +50,6 @@ def _number(value, what: str) -> float:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
         raise Mismatch(f"{what} returned {value!r}; expected a number") from None
-
-
-# --- 6.1: linear warmup, then cosine decay to min_lr ------------------------------------------------------------
-
-def _lr_cases(rng: random.Random) -> list[tuple[float, int, int, float]]:
-    """(peak_lr, warmup, total, min_lr) runs: the edge cases, then fresh random ones."""
-    cases = [(1e-3, 10, 100, 1e-4),  # the usual shape: warmup, then a cosine to a floor
-             (3e-4, 0, 50, 3e-5),  # no warmup: the cosine starts at update 0
-             (1e-3, 9, 10, 1e-4),  # warmup = total − 1: no decay span, the one update after warmup is at min_lr
-             (6e-4, 20, 20, 6e-5),  # warmup = total: the run never decays; min_lr after it
-             (2e-3, 5, 40, 0.0),  # min_lr = 0
-             (2e-3, 1, 30, 2e-3)]  # min_lr = peak_lr: constant after a one-update warmup
-    for _ in range(4):
-        warmup, peak = rng.randint(1, 40), 10 ** rng.uniform(-5, -2)
-        cases.append((peak, warmup, warmup + rng.randint(2, 300), peak * rng.uniform(0.01, 0.3)))
-    return cases
-
-
-# An answer computed in float32 (a torch.tensor, a NumPy float32) is right: float32's eps is 2⁻²³ ≈ 1.19e-7, and the
-# formula takes about six rounded operations (a division, π·progress, cos, 1 + cos, a product, a sum), each off by
-# ≤ eps/2 of a term no larger than peak_lr, so ≤ 3.6e-7·peak_lr in all; 1e-6 (of the LR, or of peak_lr near a
-# min_lr of 0, where 1 + cos cancels) is ~3× that. Every planted mistake differs by far more at some update of the
-# cases below: ≥ 1/40 of peak_lr on the ramp, min_lr ≥ 0.01·peak_lr for a decay to 0, peak_lr − min_lr where no
-# decay span is left, ≥ 1e-3·peak_lr mid-decay for a decay one update too long and ≥ 1e-4·peak_lr three updates
-# past the end for an LR rising again (spans < 300 updates); tests/test_checks_ch06.py measures each mistake's
-# largest difference against this tolerance.
-_LR_TOL = 1e-6
-
-
-def _cosine(peak: float, floor: float, progress: float) -> float:
-    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def _lr_mistakes():
-    """(the LR a mistake gives at update s, or None where it agrees with the definition; the mistake's key; what
-    the mistake is)."""
-
-    return (
-        (lambda s, p, w, t, m: p * (s + 1) / w if s == w and w else None, "ramp too long",
-         "the ramp runs one update too long: update warmup is above peak_lr (peak_lr·(warmup + 1)/warmup); the ramp "
-         "is updates 0 … warmup − 1 (step < warmup), and update warmup starts the cosine at peak_lr"),
-        (lambda s, p, w, t, m: p * (s + 1) / w if 0 < s < w else None,  # only ever differs from a ramp from 0
-         "two ramps",
-         "update 0 had LR 0, the ramp from 0 (step/warmup), but this update follows (step + 1)/warmup: keep to one "
-         "line, either peak_lr·step/warmup or peak_lr·(step + 1)/warmup for every step < warmup"),
-        *((lambda s, p, w, t, m, k=k: p * (s + k) / t if s + k > 0 and s < w < t else None, "ramp over total",
-           "the ramp divides by total, not warmup: it climbs only to peak_lr·warmup/total and then jumps to peak_lr")
-          for k in (1, 0)),  # on either start of the ramp (from 0, update 0 is right: the slip shows from update 1)
-        (lambda s, p, w, t, m: _cosine(p, m, min(s / (t - 1), 1.0)) if w <= s and t > 1 else None,
-         "cosine from update 0",
-         "the cosine starts at update 0, not at the end of warmup: progress = (step − warmup)/(total − 1 − warmup) is "
-         "0 at update warmup (LR = peak_lr) and 1 at the last update, total − 1"),
-        (lambda s, p, w, t, m: warmup_cosine_lr(s, p, w, t, 0.0) if w <= s else None, "decay to 0",
-         "the LR decays to 0, not to min_lr: lr = min_lr + (peak_lr − min_lr)·½(1 + cos(π·progress))"),
-        (lambda s, p, w, t, m: p if s == w == t - 1 else None,  # before the next: (s − w)/(t − w) is 0 here too
-         "no span guarded",
-         "with warmup = total − 1 no update is left to decay over (total − 1 − warmup = 0), and the definition sets "
-         "progress = 1 then, so update warmup — the last — is at min_lr; a guard such as max(1, total − 1 − "
-         "warmup) makes progress 0 instead (LR peak_lr): test span ≤ 0 and set progress = 1"),
-        (lambda s, p, w, t, m: _cosine(p, m, min((s - w) / (t - w), 1.0)) if w <= s < t else None,
-         "decay too long",
-         "the decay is one update too long, so the last update (total − 1) ends above min_lr: it spans updates "
-         "warmup … total − 1, so divide by total − 1 − warmup"),
-        (lambda s, p, w, t, m: _cosine(p, m, (s - w) / (t - 1 - w)) if s >= t > w + 1 else None, "no clamp",
-         "after the last update the LR rises again along the cosine: clamp progress at 1, so the LR stays at min_lr"),
-        (lambda s, p, w, t, m: _cosine(p, m, min((s - w) / (t - 1 - w), 1.0)) if s >= t == w else None,
-         "negative span",
-         "this run is all warmup (warmup = total), so total − 1 − warmup is negative and (step − warmup)/(total − 1 − "
-         "warmup) too: with no decay span (≤ 0) progress is 1, so the LR after the run is min_lr"),
-    )
-
-
-_LR_FORMULA = ("for step < warmup, lr = peak_lr·(step + 1)/warmup (or peak_lr·step/warmup, LR 0 at update 0, as "
-               "Hugging Face's schedulers do); after it, progress = min((step − warmup)/(total − 1 − warmup), 1) (1 "
-               "when total − 1 − warmup ≤ 0) and lr = min_lr + (peak_lr − min_lr)·½(1 + cos(π·progress))")
-_RAMP = Hint(
-    nudge="look at the warmup ramp: at which update it starts, what it divides by, and where it ends",
-    idea="the ramp is one straight line over updates 0 … warmup − 1 (none when warmup is 0), climbing by "
-         "peak_lr/warmup per update, so that the cosine starts at peak_lr at update warmup",
-    formula=_LR_FORMULA)
-_DECAY = Hint(
-    nudge="look at progress, the fraction of the decay done: where it starts, where it reaches 1, and what it does "
-          "after the run",
-    idea="progress is 0 at update warmup and 1 at the last update, total − 1, and stays 1 after it; the cosine takes "
-         "the LR from peak_lr down to min_lr, not to 0",
-    formula=_LR_FORMULA)
-_NO_SPAN = Hint(
-    nudge="look at what your decay does when no update is left to decay over, total − 1 − warmup ≤ 0",
-    idea="with no decay span there is nothing to divide by: the decay counts as done, so test the span before "
-         "dividing and take progress = 1, which puts the LR at min_lr",
-    formula=_LR_FORMULA)
-_LR_HINTS = {"ramp too long": _RAMP, "two ramps": _RAMP, "ramp over total": _RAMP, "warmup 0": _RAMP,
-             "cosine from update 0": _DECAY, "decay to 0": _DECAY, "decay too long": _DECAY, "no clamp": _DECAY,
-             "no span guarded": _NO_SPAN, "negative span": _NO_SPAN, "no span divided": _NO_SPAN}
-
-
-def _lr(fn, step: int, peak: float, warmup: int, total: int, floor: float, what: str) -> float:
-    try:
-        value = fn(step, peak, warmup, total, floor)
-    except ZeroDivisionError:
-        if warmup == 0:
-            raise Mismatch(f"{what} divided by zero: warmup=0 means no warmup — (step + 1)/warmup is only for "
-                           "step < warmup, and the cosine starts at update 0", mistake="warmup 0",
-                           hint=_LR_HINTS["warmup 0"]) from None
-        if total - 1 - warmup == 0:
-            raise Mismatch(f"{what} divided by zero: with warmup = total − 1 no update is left to decay over "
-                           "(total − 1 − warmup = 0); progress is then 1, so update warmup is at min_lr",
-                           mistake="no span divided", hint=_LR_HINTS["no span divided"]) from None
-        raise
-    return _number(value, what)
-
-
-@check("6.1", "linear warmup, then cosine decay", hint=Hint(
-    nudge="compare your LR with the expected one at the update named: is that update on the warmup ramp, on the "
-          "cosine, or past the end of the run?",
-    idea="the warmup climbs linearly to peak_lr over updates 0 … warmup − 1; after it a cosine takes the LR from "
-         "peak_lr at update warmup down to min_lr at the last update, total − 1, and holds it there",
-    formula=_LR_FORMULA))
-def lr_at(fn):
-    """`fn(step, peak_lr, warmup, total, min_lr)`: the LR of update `step`, as warmup_cosine_lr defines it, or with
-    the ramp started at 0 (peak_lr·step/warmup)."""
-
-    mistakes = _lr_mistakes()
-    for peak, warmup, total, floor in _lr_cases(fresh_rng()):
-        tol = dict(rel_tol=_LR_TOL, abs_tol=_LR_TOL * peak)
-        from_zero = False  # which start of the ramp this answer uses: decided at update 0, then held to it
-        for step in range(total + 3):  # every update of the run, and three after it (at min_lr)
-            what = f"lr_at(step={step}, peak_lr={peak:.4g}, warmup={warmup}, total={total}, min_lr={floor:.4g})"
-            got = _lr(fn, step, peak, warmup, total, floor, what)
-            if step == 0 and warmup:
-                from_zero = math.isclose(got, 0.0, abs_tol=tol["abs_tol"])  # step/warmup: LR 0 at update 0
-            want = peak * step / warmup if from_zero and step < warmup else \
-                warmup_cosine_lr(step, peak, warmup, total, floor)
-            if math.isclose(got, want, **tol):
-                continue
-            known = next(((key, text) for mistake, key, text in mistakes
-                          if (value := mistake(step, peak, warmup, total, floor)) is not None
-                          and math.isclose(got, value, **tol)), None)
-            differs = (f"{what} = {got:.6g}, expected {want:.6g} (relative difference "
-                       f"{abs(got - want) / max(abs(want), peak):.2g})")
-            if known:
-                raise Mismatch(f"{differs}: {known[1]}", mistake=known[0], hint=_LR_HINTS[known[0]])
-            raise Mismatch(differs)
 
 
 # --- 6.2: clipping by the global norm -------------------------------------------------------------------------
