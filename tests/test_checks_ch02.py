@@ -466,6 +466,14 @@ def step_time(plans, t_forward, t_backward):
     return schedules.run(plans, {"F": t_forward, "B": t_backward}).end
 
 
+def cooldown_reversed(p, m):  # the right warm-up and steady state, the last backwards in reverse order
+    plans = one_f_one_b(p, m)
+    for plan in plans:
+        tail = next(i for i in range(len(plan)) if all(a.kind == "B" for a in plan[i:]))
+        plan[tail:] = plan[tail:][::-1]
+    return plans
+
+
 def warm_up_one_more(p, m):  # p − r forwards before the first backward, not p − r − 1
     plans = []
     for rank in range(p):
@@ -535,8 +543,11 @@ ANSWERS = [
     Reference(ch02.pipeline_1f1b, one_f_one_b, step_time),
     Mistake(ch02.pipeline_1f1b, lambda p, m: schedules.schedule("gpipe", p, m), step_time,
             match="GPipe's order", hint="alternates one forward"),
-    Mistake(ch02.pipeline_1f1b, warm_up_one_more, step_time, match="forwards before its first backward",
+    Mistake(ch02.pipeline_1f1b, warm_up_one_more, step_time,
+            match=r"forwards before its first backward, expected min\(p − r, m\) = \d+: a warm-up of",
             hint="one forward for each rank after it"),
+    Mistake(ch02.pipeline_1f1b, cooldown_reversed, step_time, match=r"action \d+ is B\d+, 1F1B runs B\d+ there",
+            hint="1F1B"),
     Mistake(ch02.pipeline_1f1b, one_f_one_b, lambda plans, tf, tb: max(len(plan) for plan in plans) / 2 * (tf + tb),
             match="one rank's work with no waiting", hint="a forward needs the same micro-batch's forward"),
     Mistake(ch02.pipeline_1f1b, lambda p, m: [plan[:-1] for plan in one_f_one_b(p, m)], step_time,

@@ -76,14 +76,16 @@ def _check_schedule(one_f_one_b, p: int, m: int) -> None:
         if sorted(plan, key=_order) != sorted(want[rank], key=_order):
             raise Mismatch(f"{where}: runs {len(plan)} actions; every rank runs each forward F0 … F{m - 1} and each "
                            f"backward B0 … B{m - 1} once ({2 * m} actions)")
-        warmup = next((i for i, a in enumerate(plan) if a.kind == "B"), len(plan))
-        expected = min(p - rank - 1, m)
+        before = next((i for i, a in enumerate(plan) if a.kind == "B"), len(plan))  # forwards before a backward
+        warmup = min(p - rank - 1, m)
+        expected = min(p - rank, m)  # the warm-up's forwards, then the steady state's first forward (if any is left)
         if plan == schedules.schedule("gpipe", p, m)[rank]:
             raise Mismatch(f"{where}: every forward before any backward (GPipe's order); 1F1B warms up with "
-                           f"{expected} forwards on this rank", mistake="gpipe", hint=_HINTS["gpipe"])
-        if warmup != expected:
-            raise Mismatch(f"{where}: {warmup} forwards before its first backward, expected min(p − r − 1, m) = "
-                           f"{expected}", mistake="warm-up", hint=_HINTS["warm-up"])
+                           f"{warmup} forwards on this rank", mistake="gpipe", hint=_HINTS["gpipe"])
+        if before != expected:
+            raise Mismatch(f"{where}: {before} forwards before its first backward, expected min(p − r, m) = "
+                           f"{expected}: a warm-up of min(p − r − 1, m) = {warmup}, then the steady state's first "
+                           "forward", mistake="warm-up", hint=_HINTS["warm-up"])
         first = next(i for i, (a, b) in enumerate(zip(plan, want[rank], strict=True)) if a != b)
         raise Mismatch(f"{where}: action {first} is {plan[first].kind}{plan[first].micro_batch}, 1F1B runs "
                        f"{want[rank][first].kind}{want[rank][first].micro_batch} there (after the warm-up: one "
