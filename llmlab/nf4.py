@@ -52,7 +52,7 @@ from llmlab.quant import run_steps, train_tiny
 
 __all__ = ["PAPER_NF4", "nf4_levels", "int4_levels", "pack_4bit", "unpack_4bit", "NF4Config", "DoubleQuantized",
            "double_quantize", "Blockwise4bit", "quantize_nf4", "compare_codebooks", "FrozenNF4Linear", "NF4Linear",
-           "QLORA_TARGETS", "qlora", "FINETUNE_KINDS", "finetune_losses"]
+           "QLORA_TARGETS", "qlora", "FINETUNE_KINDS", "SHIFTED_CONCENTRATION", "finetune_losses"]
 
 # QLoRA, Appendix E: "The exact values of the NF4 data type" (float32, as printed)
 PAPER_NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
@@ -332,6 +332,9 @@ def qlora(model: nn.Module, r: int = 8, alpha: float = 8.0, targets=QLORA_TARGET
 
 
 FINETUNE_KINDS = ("lora-bf16", "qlora")
+# The shifted task: the pretraining chain's successors (same seed) with their odds redrawn from Dirichlet(0.3),
+# peakier than the pretraining's Dirichlet(1): the same tokens may follow each token, with new probabilities.
+SHIFTED_CONCENTRATION = 0.3
 
 
 def finetune_losses(kind: str, steps: int = 40, pretrain_steps: int = 60, r: int = 8, alpha: float = 8.0,
@@ -342,10 +345,11 @@ def finetune_losses(kind: str, steps: int = 40, pretrain_steps: int = 60, r: int
 
     The start is the same for both: the tiny GPT trained `pretrain_steps` fp32 steps on the Markov source of
     `seed` (`llmlab.quant.train_tiny`, deterministic, in memory), cast to bf16; the adapters are drawn from the
-    same seed. The shifted task is another Markov chain (seed + 1) over the same tokens. The two curves differ
-    only by the base weight's storage: bf16 or NF4."""
+    same seed. The shifted task is that chain with new odds (`SHIFTED_CONCENTRATION`), on batches of its own.
+    The two curves differ only by the base weight's storage: bf16 or NF4."""
     validation.one_of("kind", kind, FINETUNE_KINDS)
     validation.positive_int("steps", steps)
+    validation.positive_int("pretrain_steps", pretrain_steps)
     model = train_tiny(None, pretrain_steps, seed, 3e-3, batch_size, block_size, device)[0].to(torch.bfloat16)
     torch.manual_seed(seed)  # the same A for both kinds
     if kind == "qlora":
@@ -353,5 +357,6 @@ def finetune_losses(kind: str, steps: int = 40, pretrain_steps: int = 60, r: int
     else:
         apply_lora(model, QLORA_TARGETS, r, alpha)
     optimizer = torch.optim.AdamW(trainable_parameters(model), lr=lr)
-    data = SyntheticDataset(MarkovSource(model.config.vocab_size, seed=seed + 1), batch_size, block_size, seed=seed)
+    data = SyntheticDataset(MarkovSource(model.config.vocab_size, seed=seed, concentration=SHIFTED_CONCENTRATION),
+                            batch_size, block_size, seed=seed + 1)
     return run_steps(model, optimizer, data, steps, device)

@@ -51,8 +51,8 @@ def test_the_outlier_channel_keeps_the_function_and_is_large(one_thread, seed):
         logits = changed(x, y)[0]
         logits0 = model(x, y)[0]
     # (s·y_j)·(W_:j / s) = y_j·W_:j up to 2 roundings of one term of each 64-term sum; through 2 blocks the
-    # logits (|logit| ≲ 3) moved by ≤ 2e-6 over 300 seeds; 2e-5 leaves 10×.
-    torch.testing.assert_close(logits, logits0, rtol=0, atol=2e-5)
+    # logits (|logit| ≲ 3) moved by ≤ 2.4e-7 over 300 seeds; 2e-6 leaves 8×.
+    torch.testing.assert_close(logits, logits0, rtol=0, atol=2e-6)
     # Channel j is 100× larger: x̂·(s·γ) + s·β against 100·(x̂·γ + β), each side a few roundings (2⁻²⁴) of
     # terms ≲ 100·5
     torch.testing.assert_close(seen["x"][..., channel], 100 * seen["x0"][..., channel], rtol=1e-5, atol=1e-3)
