@@ -97,7 +97,9 @@ PTQ_CONFIGS = {
 @torch.no_grad()
 def weight_error(model: nn.Module) -> float:
     """‖q(W) − W‖ / ‖W‖ over every `QuantLinear` weight of `model` together, q its weight quantizer as the
-    forward pass applies it (eval mode): how far the rounding moved the weights (0 for a float model)."""
+    forward pass applies it (eval mode): how far the rounding moved the weights (0 for a float model). For a
+    QAT model W is the latent float weight, which training never asked to lie near its rounded value (weights
+    past the clipping range get no gradient from the loss and stay there): a large error there is not a loss."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     was_training = model.training
     model.eval()
