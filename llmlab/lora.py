@@ -115,9 +115,10 @@ def _matches(name: str, target: str) -> bool:
 
 
 def apply_lora(model: nn.Module, targets=("attn.c_attn", "attn.c_proj"), r: int = 8, alpha: float = 8.0,
-               dropout: float = 0.0) -> list[str]:
+               dropout: float = 0.0, layer=LoRALinear) -> list[str]:
     """Replace, in place, every nn.Linear whose name ends with one of `targets` by a LoRALinear; freeze
-    every other parameter. Returns the names replaced.
+    every other parameter. Returns the names replaced. `layer(linear, r, alpha, dropout)` builds each
+    replacement: LoRALinear, or a subclass of it (QLoRA's `llmlab.nf4.NF4Linear`, over a 4-bit base).
 
     α = r (scale 1) by default, following the paper's advice to set α to the first r tried and leave it.
     Every target must match at least one module, and every module it matches must be an nn.Linear; nothing
@@ -125,6 +126,8 @@ def apply_lora(model: nn.Module, targets=("attn.c_attn", "attn.c_proj"), r: int 
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not callable(layer):
+        raise ValueError(f"layer={layer!r} must be LoRALinear or a callable (linear, r, alpha, dropout) -> layer")
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
     if not targets or not all(isinstance(t, str) and t for t in targets):
         raise ValueError(f"targets={targets!r} must be one or more non-empty module-name suffixes")
@@ -142,7 +145,7 @@ def apply_lora(model: nn.Module, targets=("attn.c_attn", "attn.c_proj"), r: int 
             raise ValueError(f"targets entry {target!r} matches {name!r}, a {type(module).__name__}, "
                              "not an nn.Linear")
         chosen[name] = module
-    replacements = {name: LoRALinear(linear, r, alpha, dropout) for name, linear in chosen.items()}
+    replacements = {name: layer(linear, r, alpha, dropout) for name, linear in chosen.items()}
     model.requires_grad_(False)  # everything frozen, then the new A and B (created trainable) are added
     for name, layer in replacements.items():
         parent, _, child = name.rpartition(".")

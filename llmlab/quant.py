@@ -43,8 +43,8 @@ from llmlab.data import MarkovSource, SyntheticDataset
 from llmlab.kernels import quantize
 from llmlab.model import GPT, GPTConfig
 
-__all__ = ["MinMaxQuantizer", "LSQQuantizer", "QConfig", "QuantLinear", "quantize_model", "train_losses",
-           "step_times", "BENCH_CONFIGS", "held_out_loss", "bench"]
+__all__ = ["MinMaxQuantizer", "LSQQuantizer", "QConfig", "QuantLinear", "quantize_model", "run_steps",
+           "train_tiny", "train_losses", "step_times", "BENCH_CONFIGS", "held_out_loss", "bench"]
 
 _EPS = torch.finfo(torch.float32).eps  # the smallest scale allowed, as PyTorch's observers do
 
@@ -322,14 +322,31 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Ten
     return loss
 
 
+def run_steps(model: nn.Module, optimizer: torch.optim.Optimizer, data: SyntheticDataset, steps: int,
+              device: str | torch.device = "cpu") -> list[float]:
+    """`steps` training steps of `model` on `data`'s next batches (moved to `device`); the loss of each. The
+    one training loop of the tiny runs here and in `llmlab.nf4` (QLoRA's fine-tunes)."""
+    validation.positive_int("steps", steps)
+    return [_train_step(model, optimizer, *(t.to(device) for t in data.next_batch())).item() for _ in range(steps)]
+
+
+def train_tiny(quant_config: QConfig | None, steps: int = 100, seed: int = 0, lr: float = 3e-3,
+               batch_size: int = 16, block_size: int = 64, device: str | torch.device = "cpu"
+               ) -> tuple[GPT, list[float]]:
+    """Train the tiny GPT (quantized with `quant_config`, or in plain fp32 for None) on the order-1 Markov
+    source with AdamW for `steps` steps on `device`: (the trained model, the loss of every step). Deterministic:
+    the same arguments give the same model, so it serves as a pretrained start (`llmlab.ptq`, `llmlab.nf4`)."""
+    validation.positive_int("steps", steps)
+    model, optimizer, data = _tiny_run(quant_config, seed, lr, batch_size, block_size, device)
+    return model, run_steps(model, optimizer, data, steps, device)
+
+
 def train_losses(quant_config: QConfig | None, steps: int = 100, seed: int = 0, lr: float = 3e-3,
                  batch_size: int = 16, block_size: int = 64, device: str | torch.device = "cpu") -> list[float]:
     """Train the tiny GPT (quantized with `quant_config`, or in plain fp32 for None) on the order-1 Markov
     source with AdamW for `steps` steps on `device`; the loss of every step. The same seed gives both runs the
     same initial weights and batches, so the curves differ only by quantization."""
-    validation.positive_int("steps", steps)
-    model, optimizer, data = _tiny_run(quant_config, seed, lr, batch_size, block_size, device)
-    return [_train_step(model, optimizer, *(t.to(device) for t in data.next_batch())).item() for _ in range(steps)]
+    return train_tiny(quant_config, steps, seed, lr, batch_size, block_size, device)[1]
 
 
 def step_times(configs: dict, batch_size: int = 8, block_size: int = 64, device: str | torch.device = "cpu",
