@@ -176,7 +176,8 @@ def test_a_collective_on_another_group_than_the_models_fails_with_a_message(caps
     monkeypatch.setattr(ch04, "TIMEOUT_S", 3.0)
     fails(ch04.accumulate_step, partial(mean_over_ranks, group=False), match="the ranks' collectives did not match",
           hint="call no torch.distributed function yourself")
-    passes(ch04.accumulate_step, accumulate_step, capsys=capsys)  # the ranks were restarted
+    monkeypatch.undo()  # new ranks build their groups first: more than 3 s on a busy machine
+    passes(ch04.accumulate_step, accumulate_step, capsys=capsys)
 
 
 # --- 4.4 ----------------------------------------------------------------------------------------------------
