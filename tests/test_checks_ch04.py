@@ -2,15 +2,18 @@
 not attempted (for the ring, a NotImplementedError raised on the ranks), and fails a plausible wrong answer with a
 message naming the mistake — an off-by-one chunk index, a missing step or phase, a missing division, whole tensors
 sent where a chunk is, a copy where the work is in place; for the tree, a missing broadcast, a share overwritten by
-a child's sum, the whole tensor where segments are, a ring's neighbours; for the α-β times (4.4), a phase, a step or a
-chunk miscounted, a depth not rounded up, segments that do not pipeline, the crossover's algebra, a choice by the
-wrong rule — and the hint.
+a child's sum, the whole tensor where segments are, a ring's neighbours; for accumulation under data parallelism
+(4.3), every micro-batch synchronised (by its bytes), no 1/k, stale gradients, the last backward under no_sync too
+(the ranks diverge), a division by N, a step per micro-batch, gradients left behind, the wrong loss returned; for the
+α-β times (4.4), a phase, a step or a chunk miscounted, a depth not rounded up, segments that do not pipeline, the
+crossover's algebra, a choice by the wrong rule — and the hint.
 
 The ring answers below are written the way a learner would, with `exchange` (send right and receive left
 together), and run on the checks' own 5 gloo ranks, which the module fixture stops at the end.
 """
 
 
+import contextlib
 import math
 import os
 from functools import partial
@@ -117,21 +120,64 @@ def test_a_wrong_answer_holding_nan_or_inf_is_diagnosed():
 
 # --- 4.3 ----------------------------------------------------------------------------------------------------
 
-def accumulate(model, loss_fn, batches):
-    model.zero_grad()
-    for batch in batches:
-        (loss_fn(model, batch) / len(batches)).backward()
+def accumulate_step(model, loss_fn, batches, optimizer, sync="last", divide=None, zero_first=True, zero_after=True,
+                    step_each=False, returns="mean"):
+    """One update of a DataParallel model on k micro-batches; the options make a learner's mistakes: `sync="every"`
+    (no no_sync), `"forward"` (no_sync around the forward only), `"never"` (the last backward under no_sync too),
+    `divide` (the loss divided by k by default), `zero_first`/`zero_after`, `step_each` (step inside the loop),
+    `returns="sum"` or `None`."""
+    k = len(batches)
+    if zero_first:
+        optimizer.zero_grad()
+    losses = []
+    for i, batch in enumerate(batches):
+        quiet = sync == "never" or (sync == "last" and i < k - 1)
+        with model.no_sync() if quiet or sync == "forward" else contextlib.nullcontext():
+            loss = loss_fn(model, batch)
+        with model.no_sync() if quiet else contextlib.nullcontext():
+            (loss / (k if divide is None else divide)).backward()
+        losses.append(loss.item())
+        if step_each:
+            optimizer.step()
+    if not step_each:
+        optimizer.step()
+    if zero_after:
+        optimizer.zero_grad()
+    return {"mean": sum(losses) / k, "sum": sum(losses), None: None}[returns]
 
 
-def snippet(model, loss_fn, batches):  # the material's loop: no division
-    model.zero_grad()
-    for batch in batches:
-        loss_fn(model, batch).backward()
+def mean_over_ranks(model, loss_fn, batches, optimizer, group=True):
+    """Right weights, but the loss returned is averaged over the ranks: an all-reduce of its own, on the model's
+    group (`group=False`: on the default group, which the ranks outside the model's do not call)."""
+    loss = torch.tensor(accumulate_step(model, loss_fn, batches, optimizer), dtype=torch.float64)
+    td.all_reduce(loss, group=model.group if group else None)
+    return loss.item() / td.get_world_size(model.group if group else None)
 
 
-def no_zeroing(model, loss_fn, batches):
-    for batch in batches:
-        (loss_fn(model, batch) / len(batches)).backward()
+def enumerated_step(model, loss_fn, batches, optimizer):
+    """Another right answer: model.zero_grad() keeping zero tensors, the last micro-batch told by its index, the
+    losses divided by k before they are added up."""
+    model.zero_grad(set_to_none=False)
+    total = 0.0
+    for i, batch in enumerate(batches):
+        last = i == len(batches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            loss = loss_fn(model, batch) / len(batches)
+            loss.backward()
+        total += loss.item()
+    optimizer.step()
+    model.zero_grad(set_to_none=False)
+    return total
+
+
+def test_a_collective_on_another_group_than_the_models_fails_with_a_message(capsys, monkeypatch):
+    """The ranks outside a case's group run the next cases meanwhile: a collective on the default group meets
+    theirs (gloo stops a rank on a message of the wrong size) or waits for ever (stopped after TIMEOUT_S)."""
+    monkeypatch.setattr(ch04, "TIMEOUT_S", 3.0)
+    fails(ch04.accumulate_step, partial(mean_over_ranks, group=False), match="the ranks' collectives did not match",
+          hint="call no torch.distributed function yourself")
+    monkeypatch.undo()  # new ranks build their groups first: more than 3 s on a busy machine
+    passes(ch04.accumulate_step, accumulate_step, capsys=capsys)
 
 
 # --- 4.4 ----------------------------------------------------------------------------------------------------
@@ -286,9 +332,35 @@ ANSWERS = [
     Mistake(ch04.ring_all_gather, lambda c, s, g=None: torch.cat([c] * td.get_world_size(g)),
             match=r"got shape|is wrong", hint="use sizes"),
 
-    Reference(ch04.accumulate, accumulate),
-    Mistake(ch04.accumulate, snippet, match=r"is \d× the large-batch gradient: .* divided by k", hint="/ k"),
-    Mistake(ch04.accumulate, no_zeroing, match="gradient of an earlier backward", hint="zero the gradients"),
+    Reference(ch04.accumulate_step, accumulate_step),
+    Reference(ch04.accumulate_step, enumerated_step),
+    Mistake(ch04.accumulate_step, partial(accumulate_step, sync="every"),
+            match=r"the weights are right, but the update sent \d+ bytes, \d× the \d+ of one synchronisation",
+            hint="outside model.no_sync()"),
+    Mistake(ch04.accumulate_step, partial(accumulate_step, sync="forward"),
+            match=r"\d× the \d+ of one synchronisation .*the backward, not only the forward", hint="only the last"),
+    Mistake(ch04.accumulate_step, partial(accumulate_step, sync="never"),
+            match="this rank's own micro-batches alone: .*the ranks now hold different models",
+            hint="one model"),
+    Mistake(ch04.accumulate_step, partial(accumulate_step, divide=1),
+            match="k× as far as one step on the large batch: .*divide each micro-batch's loss by k",
+            hint="weighted 1/k"),
+    Mistake(ch04.accumulate_step, partial(accumulate_step, zero_first=False),
+            match="plus the stale gradients the model held before", hint="before the first micro-batch"),
+    Mistake(ch04.accumulate_step, partial(accumulate_step, step_each=True),
+            match=r"the optimizer stepped (\d) times in one update: once per micro-batch, inside the loop",
+            hint="one update, one step"),
+    Mistake(ch04.accumulate_step, lambda m, f, b, o: accumulate_step(m, f, b, o, divide=len(b) * m.world_size),
+            match="1/N as far .*DataParallel already averages", hint="k micro-batches only"),
+    Mistake(ch04.accumulate_step, partial(accumulate_step, zero_after=False),
+            match="its gradients are still in .grad: zero them after the step", hint="as the material's loop does"),
+    Mistake(ch04.accumulate_step, mean_over_ranks,
+            match=r"sent \d+ bytes, where one synchronisation of the gradients sends \d+: .*nothing else",
+            hint="only the last backward"),
+    Mistake(ch04.accumulate_step, partial(accumulate_step, returns="sum"),
+            match=r"that is the sum of the \d losses, not their mean", hint="return their mean"),
+    Mistake(ch04.accumulate_step, partial(accumulate_step, returns=None),
+            match="returned NoneType, expected a float", hint="the mean loss"),
 
     Reference(ch04.choose_allreduce, *times()),
     Reference(ch04.choose_allreduce, cost.ring_allreduce_time, cost.tree_allreduce_time, cost.crossover_bytes,
@@ -383,7 +455,7 @@ ANSWERS = [
 ]
 
 
-@pytest.mark.parametrize("check", [ch04.ring_reduce_scatter, ch04.ring_all_gather, ch04.accumulate,
+@pytest.mark.parametrize("check", [ch04.ring_reduce_scatter, ch04.ring_all_gather, ch04.accumulate_step,
                                    ch04.choose_allreduce, ch04.ring_all_reduce, ch04.tree_all_reduce])
 def test_an_unwritten_answer_is_not_attempted(check, capsys):
     not_attempted(check, unwritten, capsys=capsys)

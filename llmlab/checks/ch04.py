@@ -1,11 +1,11 @@
-"""Checks for chapter 4's exercises (solutions/04_communication.ipynb): the ring's two halves, accumulation, the
-choice between ring and tree by their α-β time (its own module, ch04_cost, imported here), the whole ring all-reduce
-and the tree all-reduce.
+"""Checks for chapter 4's exercises (solutions/04_communication.ipynb): the ring's two halves, accumulation under
+data parallelism, the choice between ring and tree by their α-β time (its own module, ch04_cost, imported here), the
+whole ring all-reduce and the tree all-reduce.
 
     from llmlab.checks import ch04 as check
     check.ring_reduce_scatter(ring_reduce_scatter)    # 4.1, on 2–5 gloo ranks
     check.ring_all_gather(ring_all_gather)            # 4.2, on 2–5 gloo ranks
-    check.accumulate(accumulate)                      # 4.3
+    check.accumulate_step(accumulate_step)            # 4.3, on 2–5 gloo ranks
     check.choose_allreduce(ring_allreduce_time, tree_allreduce_time,  # 4.4
                            crossover_bytes, choose_allreduce)
     check.ring_all_reduce(ring_all_reduce)            # 4.5, on 2–5 gloo ranks
@@ -29,6 +29,15 @@ must decode to that chunk with every rank's share; it also runs bf16, float64 an
 bound on the roundings of its additions), a 0-d and a transposed tensor, op="avg", and counts the messages each rank
 sends (`llmlab.dist.CommLog`): 2(N−1), each one chunk.
 
+**Accumulation under data parallelism (4.3)** runs on the same ranks: each wraps the same small float64 MLP in
+`llmlab.parallel.ddp.DataParallel` (one bucket, or one per parameter tensor), plants stale gradients in `.grad`, and
+calls the learner's update on its own k micro-batches with plain SGD. Every rank's weights must move as one
+single-process SGD step on the large batch of all ranks' micro-batches (`llmlab.accumulate.accumulate_gradients`),
+the optimizer must step once, a `CommLog` around the update must see exactly the bytes that one synchronised backward
+of a fresh wrapper sends (one all-reduce of the gradients, not k), and `.grad` must be empty afterwards. Because SGD
+moves the weights by −lr·gradient, a wrong update is named by the gradient it used: k× (no 1/k), with the stale
+gradients in it, divided by N too, or this rank's own (its last backward under no_sync too: the ranks diverge).
+
 A learner's `NotImplementedError` raised on a rank comes back as a `RankError` and reads "not attempted yet"
 (`llmlab.checks`). A function that deadlocks (a rank waiting for a message nobody sends) is stopped
 after `TIMEOUT_S` and reported as such; the next check starts fresh ranks.
@@ -38,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import random
 import re
 
@@ -46,13 +56,14 @@ import torch.distributed as td
 
 from llmlab import checks, dist
 from llmlab.accumulate import accumulate_gradients
-from llmlab.checks import Hint, Mismatch, assert_close, check, fresh_rng
+from llmlab.checks import Hint, Mismatch, assert_close, check, fresh_rng, number
 from llmlab.checks.ch04_cost import choose_allreduce
 from llmlab.dist import RankError
 from llmlab.dist.collectives import chunk_sizes
 from llmlab.dist.commlog import CommLog
+from llmlab.parallel.ddp import DataParallel
 
-__all__ = ["ring_reduce_scatter", "ring_all_gather", "accumulate", "choose_allreduce", "ring_all_reduce",
+__all__ = ["ring_reduce_scatter", "ring_all_gather", "accumulate_step", "choose_allreduce", "ring_all_reduce",
            "tree_all_reduce", "close", "WORLD_SIZES", "TIMEOUT_S"]
 
 WORLD_SIZES = (2, 3, 4, 5)
@@ -75,9 +86,11 @@ def _group(n: int):
     return grid.member, grid.dp_group if grid.member else None
 
 
-def _on_ranks(body, fn, cases, what: str, chunk_hint: Hint) -> list[list]:
+def _on_ranks(body, fn, cases, what: str, chunk_hint: Hint, ring: bool = True) -> list[list]:
     """Run `body(fn, cases)` on every rank; return the per-rank lists of per-case results. `chunk_hint` is the
-    exercise's hint for a chunk sent where its neighbour receives another (gloo stops a rank on it)."""
+    exercise's hint for a chunk sent where its neighbour receives another (gloo stops a rank on it). `ring=False`
+    (4.3, whose ranks communicate only through collectives) reads a message of the wrong size, or ranks that never
+    finish, as collectives that did not match across the ranks, with `chunk_hint` the hint of both."""
 
     try:
         return checks.cluster(max(WORLD_SIZES)).run(body, fn, cases, timeout=TIMEOUT_S)
@@ -88,17 +101,22 @@ def _on_ranks(body, fn, cases, what: str, chunk_hint: Hint) -> list[list]:
             sizes = re.search(r"(\d+) vs (\d+)\. Received data size doesn't match", str(e))
             if sizes:  # gloo aborts a process that receives more bytes than it posted a buffer for
                 raise Mismatch(f"gloo stopped rank {e.rank}: a message of {sizes[1]} bytes arrived where it expected "
-                               f"{sizes[2]}, so at some step a rank received into another chunk than the one its left "
-                               "neighbour sent", mistake="chunk index", hint=chunk_hint) from None
+                               f"{sizes[2]}" + (", so at some step a rank received into another chunk than the one "
+                                                "its left neighbour sent" if ring else ": " + _UNMATCHED),
+                               mistake="chunk index" if ring else "collectives", hint=chunk_hint) from None
             raise Mismatch(f"rank {e.rank}'s process crashed while running your {what}: {str(e).splitlines()[0]}") \
                 from None
         message = str(e.exception) if e.exception is not None else str(e).splitlines()[0]
         raise Mismatch(f"on rank {e.rank}, {message}") from None
     except TimeoutError:
-        raise Mismatch(f"your {what} did not finish within {TIMEOUT_S:g} s: some rank waits for a message nobody "
-                       "sends (or sends one nobody receives)", mistake="deadlock", hint=_DEADLOCK) from None
+        raise Mismatch(f"your {what} did not finish within {TIMEOUT_S:g} s: "
+                       + ("some rank waits for a message nobody sends (or sends one nobody receives)" if ring else
+                          _UNMATCHED), mistake="deadlock" if ring else "collectives",
+                       hint=_DEADLOCK if ring else chunk_hint) from None
 
 
+_UNMATCHED = ("the ranks' collectives did not match: some rank called one that the other ranks of its group do "
+              "not (a collective on another group than the model's, whose other ranks run other cases)")
 _DEADLOCK = Hint(
     nudge="look at each step's messages: does every rank that waits for a message have a left neighbour that sends "
           "it at the same step?",
@@ -106,6 +124,14 @@ _DEADLOCK = Hint(
          "receive posted one after the other can wait for each other round the whole ring",
     formula="at every step each rank sends to its right neighbour AND receives from its left one, posted together: "
             "exchange(sends=[(t, right)], recvs=[(buf, left)], group=group)")
+
+_COLLECTIVES = Hint(
+    nudge="look at the collectives your update calls: does every rank of the group call each of them, in the same "
+          "order, on the group it was given?",
+    idea="a collective completes only when every rank of its group has called it; the model's all-reduces run on "
+         "model.group, and the ranks outside it are busy with other cases",
+    formula="communicate only through the last micro-batch's backward, which DataParallel all-reduces on its own "
+            "group: call no torch.distributed function yourself")
 
 
 def _call(fn, args, case_text: str):
@@ -405,11 +431,12 @@ def ring_all_gather(fn):
     _stopped_early(per_rank, cases, "all-gather")
 
 
-# --- 4.3: gradient accumulation with the right scale --------------------------------------------------------
+# --- 4.3: gradient accumulation under data parallelism: k micro-batches, one all-reduce, one step ------------
 
-def accumulation_case(rng: random.Random):
-    """k micro-batches of a random regression and a function building the same fresh float64 model each time
-    (also the cases of chapter 6's 6.3, which accumulates, unscales and clips)."""
+def accumulation_case(rng: random.Random, ranks: int = 1):
+    """k micro-batches of a random regression for each of `ranks` ranks (rank r's are batches[r·k:(r+1)·k]) and a
+    function building the same fresh float64 model each time (also the cases of chapter 6's 6.3, which accumulates,
+    unscales and clips on one rank)."""
 
     k, rows, d_in = rng.randint(2, 6), rng.randint(1, 6), rng.randint(2, 9)
     seed = rng.randrange(1 << 30)
@@ -419,9 +446,9 @@ def accumulation_case(rng: random.Random):
         return torch.nn.Sequential(torch.nn.Linear(d_in, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2)).double()
 
     g = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(k * rows, d_in, generator=g, dtype=torch.float64)  # (k·rows, d_in)
-    y = torch.randn(k * rows, 2, generator=g, dtype=torch.float64)  # (k·rows, 2)
-    batches = list(zip(x.split(rows), y.split(rows), strict=True))  # k micro-batches
+    x = torch.randn(ranks * k * rows, d_in, generator=g, dtype=torch.float64)  # (ranks·k·rows, d_in)
+    y = torch.randn(ranks * k * rows, 2, generator=g, dtype=torch.float64)  # (ranks·k·rows, 2)
+    batches = list(zip(x.split(rows), y.split(rows), strict=True))  # ranks·k micro-batches
     return k, model, batches
 
 
@@ -430,57 +457,229 @@ def micro_batch_mse(model, batch):
     return torch.nn.functional.mse_loss(model(x), y)  # the mean over the micro-batch
 
 
-_ACC_FORMULA = ("zero the gradients first (model.zero_grad()), then for each of the k micro-batches call "
-                "(loss_fn(model, batch) / k).backward(): .grad adds the k gradients up, so each must count 1/k")
-_ACC_HINTS = {
+_BUCKETS_MB = {"one bucket": 25.0, "a bucket per tensor": 1e-4}  # 1e-4 MB = 104 B: under every weight's 112+ B
+
+
+def _dp_cases(rng: random.Random) -> list[dict]:
+    """One case per world size: the ranks' micro-batches, stale gradients per rank, SGD's lr, the bucket size."""
+    cases = []
+    for n in WORLD_SIZES:
+        k, make_model, batches = accumulation_case(rng, ranks=n)
+        g = torch.Generator().manual_seed(rng.randrange(1 << 30))
+        stale = [[torch.randn(p.shape, generator=g, dtype=torch.float64) for p in make_model().parameters()]
+                 for _ in range(n)]  # per rank, per parameter: what an earlier backward left in .grad
+        buckets = rng.choice(sorted(_BUCKETS_MB))
+        cases.append({"n": n, "k": k, "make_model": make_model, "batches": batches, "stale": stale,
+                      "lr": rng.uniform(0.05, 0.5), "buckets": buckets})
+    return cases
+
+
+def _dp_text(case: dict, rank: int) -> str:
+    rows = len(case["batches"][0][0])
+    return (f"world size {case['n']}, {case['k']} micro-batches of {rows} row{'s' * (rows > 1)} per rank, "
+            f"{case['buckets']}, rank {rank}")
+
+
+def _my_batches(case: dict, rank: int) -> list:
+    k = case["k"]
+    return case["batches"][rank * k:(rank + 1) * k]
+
+
+def _dp_model(case: dict, group) -> DataParallel:
+    return DataParallel(case["make_model"](), bucket_mb=_BUCKETS_MB[case["buckets"]], group=group)
+
+
+def _accumulate_case(fn, case, group, rank):
+    """On a rank: the learner's update of a wrapped model holding stale gradients. Returns (its answer, the weights
+    after it, the gradients left after it, optimizer steps, bytes sent, bytes one synchronised backward sends)."""
+    model, mine = _dp_model(case, group), _my_batches(case, rank)
+    for p, stale in zip(model.parameters(), case["stale"][rank], strict=True):
+        p.grad = stale.clone()
+    optimizer = torch.optim.SGD(model.parameters(), lr=case["lr"])
+    steps = []
+    optimizer.register_step_post_hook(lambda *_: steps.append(1))
+    with CommLog() as log:
+        got = _call(fn, (model, micro_batch_mse, mine, optimizer), _dp_text(case, rank))
+    probe = _dp_model(case, group)  # a fresh wrapper: what one synchronised backward sends on this rank
+    with CommLog() as one:
+        micro_batch_mse(probe, mine[0]).backward()
+    weights = [p.detach().clone() for p in model.parameters()]
+    left = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    answer = got if isinstance(got, numbers.Real) else _answer(got)
+    return answer, weights, left, len(steps), log.bytes_sent, one.bytes_sent
+
+
+def _sgd_update(case: dict, batches: list) -> list:
+    """How one single-process SGD step on the mean loss over `batches` moves each parameter (llmlab's reference)."""
+    model = case["make_model"]()
+    start = [p.detach().clone() for p in model.parameters()]
+    accumulate_gradients(model, micro_batch_mse, batches)  # the gradient of the mean loss: equal micro-batches
+    torch.optim.SGD(model.parameters(), lr=case["lr"]).step()
+    return [p.detach() - s for p, s in zip(model.parameters(), start, strict=True)]
+
+
+def _dp_updates(case: dict, rank: int) -> dict[str, list]:
+    """The update a right answer makes, and the updates of the mistakes the check names. Plain SGD moves a weight
+    by −lr·gradient, so a gradient k× too large moves it k× as far, and stale gradients add −lr·their mean."""
+    n, k, lr = case["n"], case["k"], case["lr"]
+    right = _sgd_update(case, case["batches"])  # every rank's micro-batches: the large batch
+    stale = [sum(rank_stale[i] for rank_stale in case["stale"]) / n for i in range(len(right))]  # DDP averages them
+    return {"right": right,
+            "never averaged": _sgd_update(case, _my_batches(case, rank)),
+            "no 1/k": [k * u for u in right],
+            "no zeroing": [u - lr * s for u, s in zip(right, stale, strict=True)],
+            "divided by N": [u / n for u in right]}
+
+
+def _update_tol(want) -> dict:
+    """float64: the ranks' average sums the n·k micro-batches' gradients in another order than the single process,
+    a few units of 2^-53 of the largest term each; 1e-9 of the update's largest entry is ~10^6 times that, and every
+    mistake named is off by a factor (k, 1/N) or by terms of the gradient's own size (stale, another rank's)."""
+    return dict(rtol=1e-9, atol=1e-9 * want.abs().max().item())
+
+
+def _same(xs, ys) -> bool:
+    return all(torch.allclose(x, y, **_update_tol(y)) for x, y in zip(xs, ys, strict=True))
+
+
+_DP_FORMULA = ("optimizer.zero_grad(); for each of the first k−1 micro-batches, inside `with model.no_sync():`, "
+               "(loss_fn(model, batch) / k).backward(); then (loss_fn(model, batches[-1]) / k).backward() outside it "
+               "(this backward all-reduces the accumulated gradients, once); optimizer.step(); optimizer.zero_grad(); "
+               "return the mean of the k losses' .item()")
+_ONE_SYNC = Hint(
+    nudge="count what your update sends: how many of its backward passes communicate?",
+    idea="DataParallel all-reduces the gradients at the end of every backward that runs outside model.no_sync(); "
+         "the gradients add up in .grad locally all the same, so only the last backward needs to average them",
+    formula=_DP_FORMULA)
+_DP_HINTS = {
+    "every micro-batch": _ONE_SYNC, "extra bytes": _ONE_SYNC,
+    "never averaged": Hint(
+        nudge="compare the ranks' weights after your update: are they still one model?",
+        idea="under no_sync nothing is communicated; the last micro-batch's backward must run outside it, so that "
+             "DataParallel averages the accumulated gradients over the ranks before the step",
+        formula=_DP_FORMULA),
     "no 1/k": Hint(
         nudge="look at how much each micro-batch's backward adds to .grad: the k of them are added up",
         idea="the large-batch gradient is the mean of the k micro-batches' gradients, not their sum, so each "
              "backward must contribute its gradient weighted 1/k",
-        formula=_ACC_FORMULA),
+        formula=_DP_FORMULA),
     "no zeroing": Hint(
         nudge="look at what .grad holds before your first backward: backward adds to whatever is already there",
         idea="gradients from an earlier backward stay in .grad until they are cleared, so clear them before the "
-             "first micro-batch, not after the last",
-        formula=_ACC_FORMULA),
+             "first micro-batch — zeroing after the step alone leaves whatever came before the call",
+        formula=_DP_FORMULA),
+    "divided by N": Hint(
+        nudge="look at what you divide each loss by",
+        idea="DataParallel already averages the gradients over the ranks (it divides their sum by the world size); "
+             "your division is for the k micro-batches only",
+        formula=_DP_FORMULA),
+    "steps": Hint(
+        nudge="count your optimizer.step() calls: one update, one step",
+        idea="accumulation gathers k micro-batches' gradients for ONE step: step once, after the last backward",
+        formula=_DP_FORMULA),
+    "not cleared": Hint(
+        nudge="look at what .grad holds when your update returns",
+        idea="zero the gradients after the step too, as the material's loop does, so that nothing of this update "
+             "is left in .grad (set_to_none also frees their memory until the next backward)",
+        formula=_DP_FORMULA),
+    "loss": Hint(
+        nudge="look at what your function returns: the mean loss over this rank's micro-batches",
+        idea="keep each micro-batch's loss.item() (the loss before the division by k) and return their mean, "
+             "a float",
+        formula=_DP_FORMULA),
+}
+_DP_MISTAKES = {
+    "never averaged": "they moved as one SGD step on this rank's own micro-batches alone: its gradients were never "
+                      "averaged with the other ranks', so the ranks now hold different models — the last backward "
+                      "ran under no_sync too; run it outside, so that it all-reduces",
+    "no 1/k": "they moved k× as far as one step on the large batch: the k micro-batches' gradients were summed; "
+              "divide each micro-batch's loss by k before backward",
+    "no zeroing": "they moved by the large batch's gradient plus the stale gradients the model held before the "
+                  "update: zero the gradients first (optimizer.zero_grad())",
+    "divided by N": "they moved 1/N as far as one step on the large batch: each loss was divided by the world size "
+                    "as well, but DataParallel already averages over the ranks; divide by k only",
 }
 
 
-@check("4.3", "gradient accumulation", hint=Hint(
-    nudge="look at what .grad holds when your function starts, and at how much each micro-batch's backward adds "
-          "to it",
-    idea="start from zero gradients and let each of the k backward passes add its micro-batch's gradient weighted "
-         "1/k, so that their sum is the gradient of the mean loss",
-    formula=_ACC_FORMULA))
-def accumulate(fn):
-    """`fn(model, loss_fn, batches)`: leaves in `.grad` the gradient of the mean loss over all micro-batches."""
+def _dp_verdict(case: dict, rank: int, result) -> None:
+    """Raise Mismatch if rank `rank`'s update of `case` is wrong: its steps, weights, bytes, leftover gradients,
+    returned loss. The same verdict on the ranks (where they stop after the first wrong case) and in the check."""
+    got, weights, left, steps, sent, one_sync = result
+    k, what = case["k"], _dp_text(case, rank)
+    if steps != 1:
+        inside = ": once per micro-batch, inside the loop; step once, after the last backward" if steps == k else ""
+        raise Mismatch(f"{what}: the optimizer stepped {steps} times in one update{inside}", mistake="steps",
+                       hint=_DP_HINTS["steps"])
+    start = [p.detach() for p in case["make_model"]().parameters()]
+    moved = [w - s for w, s in zip(weights, start, strict=True)]
+    updates = _dp_updates(case, rank)
+    if not _same(moved, updates["right"]):
+        known = next((m for m in _DP_MISTAKES if _same(moved, updates[m])), None)
+        if known:
+            raise Mismatch(f"{what}: the weights are wrong: {_DP_MISTAKES[known]}", mistake=known,
+                           hint=_DP_HINTS[known])
+        for (name, _), mine, want in zip(case["make_model"]().named_parameters(), moved, updates["right"],
+                                         strict=True):
+            assert_close(mine, want, what=f"{what}: the update of {name}", **_update_tol(want))
+    if sent != one_sync:
+        every = sent == k * one_sync
+        raise Mismatch(f"{what}: the weights are right, but the update sent {sent} bytes, "
+                       + (f"{k}× the {one_sync} of one synchronisation of the gradients: every micro-batch's "
+                          "backward all-reduced them; run the first k−1 backward passes inside `with "
+                          "model.no_sync():` (the backward, not only the forward)" if every else
+                          f"where one synchronisation of the gradients sends {one_sync}: the update communicates "
+                          "the gradients once, in the last backward, and nothing else (the loss it returns is "
+                          "this rank's own)"),
+                       mistake="every micro-batch" if every else "extra bytes",
+                       hint=_DP_HINTS["every micro-batch" if every else "extra bytes"])
+    if any(g is not None and bool(g.any()) for g in left):
+        raise Mismatch(f"{what}: the update is right, but its gradients are still in .grad: zero them after the step",
+                       mistake="not cleared", hint=_DP_HINTS["not cleared"])
+    if isinstance(got, str):
+        raise Mismatch(f"{what}: your function returned {got}, expected a float, this rank's mean micro-batch loss",
+                       mistake="loss", hint=_DP_HINTS["loss"])
+    value = number(got, f"{what}: the loss returned")
+    model = case["make_model"]()
+    losses = [micro_batch_mse(model, b).item() for b in _my_batches(case, rank)]  # at the weights before the step
+    want = sum(losses) / k
+    # float64: the same k losses, added in another order (or divided by k first): a few units of 2^-53
+    if not math.isclose(value, want, rel_tol=1e-12, abs_tol=1e-15):
+        told = {k * want: f"the sum of the {k} losses, not their mean",
+                losses[-1]: "the last micro-batch's loss alone, not the mean of all k"}
+        known = next((text for v, text in told.items() if math.isclose(value, v, rel_tol=1e-12)), None)
+        raise Mismatch(f"{what}: returned {value:.12g}, expected {want:.12g}, the mean of this rank's {k} "
+                       "micro-batch losses" + (f": that is {known}" if known else ""), mistake="loss",
+                       hint=_DP_HINTS["loss"])
 
-    rng = fresh_rng()
-    for trial in range(3):
-        k, make_model, batches = accumulation_case(rng)
-        reference = make_model()
-        accumulate_gradients(reference, micro_batch_mse, batches)  # the large-batch gradient (equal micro-batches)
-        model = make_model()
-        stale = None
-        if trial:  # gradients left from an earlier step: the answer must not add to them
-            micro_batch_mse(model, batches[0]).backward()
-            stale = [p.grad.clone() for p in model.parameters()]
-        fn(model, micro_batch_mse, batches)
-        what = f"{k} micro-batches of {len(batches[0][0])} rows"
-        for i, ((name, p), (_, ref)) in enumerate(zip(model.named_parameters(), reference.named_parameters(),
-                                                     strict=True)):
-            if p.grad is None:
-                raise Mismatch(f"{what}: {name}.grad is None: no backward reached it")
-            if torch.allclose(p.grad, k * ref.grad, rtol=1e-9, atol=1e-12) and not torch.allclose(p.grad, ref.grad):
-                raise Mismatch(f"{what}: {name}.grad is {k}× the large-batch gradient: the loss of each micro-batch "
-                               f"must be divided by k = {k} (the missing division of the material's snippet)",
-                               mistake="no 1/k", hint=_ACC_HINTS["no 1/k"])
-            if stale is not None and torch.allclose(p.grad, ref.grad + stale[i], rtol=1e-9, atol=1e-12):
-                raise Mismatch(f"{what}: {name}.grad still holds the gradient of an earlier backward added to the "
-                               "new one: zero the gradients before accumulating", mistake="no zeroing",
-                               hint=_ACC_HINTS["no zeroing"])
-            # float64: the same sums in another order differ by ~1e-16 relative; a real mistake is O(1) off
-            assert_close(p.grad, ref.grad, what=f"{what}: {name}.grad", rtol=1e-9, atol=1e-12)
+
+def _dp_right(case, rank, result) -> bool:
+    try:
+        _dp_verdict(case, rank, result)
+    except Mismatch:
+        return False
+    return True
+
+
+def _run_accumulate(fn, cases) -> list:
+    return _on_members(functools.partial(_accumulate_case, fn), _dp_right, cases)
+
+
+@check("4.3", "gradient accumulation under data parallelism", hint=Hint(
+    nudge="look at each part of your update: what .grad holds at the start, how much each backward adds, which "
+          "backward communicates, how often the optimizer steps",
+    idea="start from zeroed gradients; k backward passes of loss/k add up the mean gradient locally, the first k−1 "
+         "under model.no_sync() and the last outside it, so that DataParallel all-reduces it once; then one step",
+    formula=_DP_FORMULA))
+def accumulate_step(fn):
+    """`fn(model, loss_fn, batches, optimizer)` on every rank: one update of a DataParallel model on this rank's k
+    micro-batches, one all-reduce of the gradients; returns this rank's mean micro-batch loss."""
+
+    cases = _dp_cases(fresh_rng())
+    per_rank = _on_ranks(_run_accumulate, fn, cases, "update", _COLLECTIVES, ring=False)
+    for i, case in enumerate(cases[:len(per_rank[0])]):  # the ranks stop after the first wrong case
+        for rank in range(case["n"]):
+            _dp_verdict(case, rank, per_rank[rank][i])
+    _stopped_early(per_rank, cases, "update")
 
 
 # --- 4.5: the whole ring all-reduce -------------------------------------------------------------------------
