@@ -250,7 +250,7 @@ class MoELayer(nn.Module):
                   bias_rate=layer.bias_rate, granularity=layer.granularity, shared=layer.shared)
         new.gate, new.shared_experts = copy.deepcopy(layer.gate), copy.deepcopy(layer.shared_experts)
         if layer.expert_bias is not None:
-            new.expert_bias.copy_(layer.expert_bias)
+            new.expert_bias = layer.expert_bias.clone()  # its dtype too (a copy_ would keep the new float32)
         mine = range(new.first_expert, new.first_expert + new.num_local_experts)
         new.experts = nn.ModuleList(copy.deepcopy(layer.experts[e]) for e in mine)
         return new

@@ -430,3 +430,55 @@ def test_bench_sizes_follow_the_tier_and_smoke_mode(monkeypatch):
     monkeypatch.setattr(runtime, "tier", lambda: runtime.Tier("gpu", 1, "H200"))  # the ranks compute on the CPU
     assert moe_bench.sizes(None) == moe_bench.SIZES["gpu"] and moe_bench.sizes(None, True) == moe_bench.SIZES["cpu"]
     assert moe_bench.sizes(dict(tokens=8))["tokens"] == 8
+
+
+def _balanced_layer(seed):
+    torch.manual_seed(seed)  # 3 experts split in 3, one shared: 8 routed experts (2 or 4 per rank), top 5
+    layer = MoELayer(5, 12, 3, k=2, capacity_factor=None, balance="bias", granularity=3, shared=1).double()
+    with torch.no_grad():
+        layer.expert_bias.normal_().mul_(0.2)
+    return layer
+
+
+def _balanced_tokens(seed, rank):
+    torch.manual_seed(seed + 1 + rank)
+    return torch.randn(11 + 2 * rank, 5, dtype=torch.float64)  # ranks hold different T
+
+
+def _expert_parallel_balanced(world, seed):
+    import torch.distributed as td
+
+    group = _group(world)
+    if group is False:
+        return None
+    rank = td.get_rank(group)
+    layer = MoELayer.from_layer(_balanced_layer(seed), group)
+    x = _balanced_tokens(seed, rank).requires_grad_(True)
+    y, aux = layer(x)
+    ((y * torch.linspace(-1, 1, 5, dtype=y.dtype)).sum() + aux).backward()
+    load = layer.update_bias()  # summed over the group: every rank moves its bias alike
+    return {"rank": rank, "y": y.detach(), "x_grad": x.grad, "load": load, "bias": layer.expert_bias,
+            "grads": {name: p.grad for name, p in layer.named_parameters() if not name.startswith("experts.")}}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_with_shared_experts_and_the_bias_equals_one_process(cluster, world):
+    seed = _fresh_seed()
+    results = [r for r in cluster.run(_expert_parallel_balanced, world, seed) if r is not None]
+    assert [r["rank"] for r in results] == list(range(world))
+    whole = _balanced_layer(seed)  # one process sees every rank's tokens of the step
+    for r in results:
+        x = _balanced_tokens(seed, r["rank"]).requires_grad_(True)
+        full = _balanced_layer(seed)  # rank r computes what the single-process layer computes on its tokens
+        y, aux = full(x)
+        ((y * torch.linspace(-1, 1, 5, dtype=y.dtype)).sum() + aux).backward()
+        # float64; only the order of the sums differs (an expert's rows arrive grouped by rank): ~1e-16 relative
+        torch.testing.assert_close(r["y"], y.detach(), rtol=1e-12, atol=1e-12, msg=lambda m: f"seed {seed}: {m}")
+        torch.testing.assert_close(r["x_grad"], x.grad, rtol=1e-12, atol=1e-12, msg=lambda m: f"seed {seed}: {m}")
+        for name, g in r["grads"].items():  # the router and the shared experts: this rank's tokens only
+            torch.testing.assert_close(g, dict(full.named_parameters())[name].grad, rtol=1e-12, atol=1e-12,
+                                       msg=lambda m, n=name: f"{n}, seed {seed}: {m}")
+        whole(x.detach())
+    load = whole.update_bias()
+    for r in results:  # integer loads, and the same ±γ steps: exact
+        assert torch.equal(r["load"], load) and torch.equal(r["bias"], whole.expert_bias), seed
