@@ -34,6 +34,24 @@ loss), Zoph et al. 2022 (ST-MoE: the router z-loss). For T tokens x (T, C) and E
    `llmlab.moe_dispatch.expert_parallel`). Rank r computes exactly what the single-process layer computes on
    rank r's tokens; the router's gradient comes from the rank's tokens only, so the caller all-reduces it (as
    DDP does for replicated weights).
+6. **Balancing without an auxiliary loss** (`balance="bias"`; Wang et al. 2024, "Auxiliary-loss-free load
+   balancing"; DeepSeek-V3 §2.1.2, eq. 16): a bias bᵢ per expert (the buffer `expert_bias`, saved in the
+   state_dict) is added to the scores for the *choice* of the top k only; the gates are the chosen experts'
+   unbiased scores, renormalised. After each optimizer step `update_bias()` moves every bᵢ by γ·sign(mean load −
+   loadᵢ) (γ = `bias_rate`, DeepSeek-V3's 1e-3), the loads summed over the step's forwards: an overloaded
+   expert's bias falls, so fewer tokens choose it next step, and no gradient reaches the router for it.
+   `balance="aux-loss"` (the default) adds step 2's balance loss to aux_loss, `"none"` neither (the z-loss
+   stays: it keeps the logits small and balances nothing). `scores="sigmoid"` scores expert i by sigmoid(logitᵢ)
+   (DeepSeek-V3 eq. 15) instead of the softmax; the gates are then the chosen scores normalised over the k (for
+   k ≥ 2, as for the softmax), and the balance loss's Pᵢ is the mean of the scores normalised over all E (V3
+   eq. 20). Either way the bias adds to scores in [0, 1], so γ means the same on both.
+7. **Fine-grained and shared experts** (DeepSeekMoE, Dai et al. 2024, §3.1–3.2): `granularity` m splits each
+   of the E experts into m of hidden/m, and a token takes m·k of them: the coarse layer's parameters and expert
+   FLOPs (4·C·H·k per token), with many more combinations of experts. `shared` s of those m·k slots go to
+   shared experts every token passes through, without a router: m·E − s routed experts, top m·k − s. The s
+   shared experts of hidden H/m are one MLP of hidden s·H/m (`shared_experts`, as DeepSeek-V2's code holds
+   them), added with gate 1. The router grows from E to m·E − s outputs: its 2·C·(m·E − s) FLOPs per token are
+   the only ones the split adds.
 
 The course text's snippet (§8.2), `selected = topk(gate_scores, k=2); return sum(experts[i](x) * scores[i]
 for i in selected)`, runs every selected expert on the whole batch x (in a batch the tokens' choices differ,
@@ -45,6 +63,9 @@ collapses onto a few experts, Shazeer et al. 2017 §4).
     layer = MoELayer(dim=64, hidden=256, num_experts=8, k=2, capacity_factor=1.25)
     y, aux_loss = layer(x)                       # x (..., 64) -> y (..., 64); loss = task + aux_loss
     layer.routing.drop_rate                      # of the last forward
+    free = MoELayer(64, 256, 8, k=2, capacity_factor=None, balance="bias", scores="sigmoid")
+    ...; optimizer.step(); free.update_bias()    # after every step: bᵢ += γ·sign(mean load − loadᵢ)
+    fine = MoELayer(64, 256, 8, k=2, granularity=4, shared=1)   # 31 routed experts of 64, top 7, + 1 shared
     ep = MoELayer.from_layer(layer, group)       # on every rank: this rank's experts, the router replicated
 
 Claim C20 (active parameters per token) is measured in `llmlab.claims.ch08`; `llmlab bench moe` (`bench`, its
@@ -67,7 +88,10 @@ from llmlab.moe_bench import fwd_bwd
 from llmlab.moe_dispatch import expert_parallel, grouped_mlp
 from llmlab.timing import compare
 
-__all__ = ["Expert", "Routing", "route", "MoELayer", "loop_reference", "every_expert", "bench"]
+__all__ = ["BALANCE", "SCORES", "Expert", "Routing", "route", "MoELayer", "loop_reference", "every_expert", "bench"]
+
+BALANCE = ("aux-loss", "bias", "none")  # how the layer keeps its experts' loads even (steps 2 and 6)
+SCORES = ("softmax", "sigmoid")  # how the router turns logits into scores (steps 1 and 6)
 
 
 class Expert(nn.Module):
@@ -85,7 +109,7 @@ class Expert(nn.Module):
 class Routing:
     """Where T tokens go. Assignment a = j·T + t is token t's j-th choice (choice-major, the priority order)."""
 
-    probs: torch.Tensor  # (T, E) router probabilities
+    probs: torch.Tensor  # (T, E) router probabilities (sigmoid scores: normalised over the E)
     expert: torch.Tensor  # (T, k) chosen experts, most probable first
     gate: torch.Tensor  # (T, k) their gate weights
     kept: torch.Tensor  # (K,) kept assignments, grouped by expert, in priority order within each
@@ -122,14 +146,25 @@ def _capacity(k: int, tokens: int, num_experts: int, capacity_factor: float | No
     return None if capacity_factor is None else math.ceil(k * tokens / num_experts * capacity_factor)
 
 
-def route(logits: torch.Tensor, k: int, capacity_factor: float | None) -> Routing:
-    """Top-k routing of (T, E) router logits with capacity (steps 1–3 of the module docstring)."""
+def route(logits: torch.Tensor, k: int, capacity_factor: float | None, *, bias: torch.Tensor | None = None,
+          scores: str = "softmax") -> Routing:
+    """Top-k routing of (T, E) router logits with capacity (steps 1–3 of the module docstring). `bias` (E,) is
+    added to the scores for the choice of the k experts only, not to the gates (step 6); `scores` is one of
+    SCORES."""
     T, E = logits.shape
+    validation.one_of("scores", scores, SCORES)
+    if bias is not None and bias.shape != (E,):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({E},): one per expert")
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (T, E), Switch's selective precision
     lse = torch.logsumexp(logits, -1)  # (T,), for the z-loss and the softmax both
-    probs = (logits - lse[:, None]).exp()  # (T, E) softmax: on rows of E ≪ 100 faster than softmax's kernel
-    top_p, expert = probs.topk(k, dim=-1)  # (T, k), (T, k)
-    gate = top_p if k == 1 else top_p / top_p.sum(-1, keepdim=True)  # (T, k)
+    if scores == "softmax":
+        score = probs = (logits - lse[:, None]).exp()  # (T, E): on rows of E ≪ 100 faster than softmax's kernel
+    else:
+        score = logits.sigmoid()  # (T, E) DeepSeek-V3's affinities
+        probs = score / score.sum(-1, keepdim=True)  # (T, E)
+    expert = (score if bias is None else score + bias).topk(k, dim=-1).indices  # (T, k) the bias picks only
+    top = score.gather(1, expert)  # (T, k) the unbiased scores of the chosen experts
+    gate = top if k == 1 else top / top.sum(-1, keepdim=True)  # (T, k)
     choice = expert.T.reshape(-1)  # (k·T,) expert of assignment a = j·T + t
     load = torch.bincount(choice, minlength=E)  # (E,)
     balance = E * (load.to(probs.dtype) / (k * T) * probs.mean(0)).sum()  # N·Σ fᵢ·Pᵢ
@@ -148,54 +183,88 @@ class MoELayer(nn.Module):
     """A top-k mixture of `num_experts` MLPs (dim -> hidden -> dim); forward returns `(output, aux_loss)`.
 
     `capacity_factor=None` drops nothing. `group`: expert parallelism over that process group (each rank owns
-    num_experts / world_size experts, `self.experts`, the first being global expert `self.first_expert`).
-    `balance_coef` (α) and `z_coef` weigh the balance loss and z-loss in aux_loss. After a forward,
+    routed_experts / world_size experts, `self.experts`, the first being global expert `self.first_expert`).
+    `balance` (one of BALANCE) and `scores` (one of SCORES) choose the balancing and the scores (steps 2 and 6);
+    `balance_coef` (α) and `z_coef` weigh the balance loss and z-loss in aux_loss, `bias_rate` is γ of
+    `update_bias()`. `granularity` m and `shared` s split the experts (step 7): `routed_experts` = m·E − s experts
+    of hidden `expert_hidden` = hidden/m, `routed_k` = m·k − s per token, and `shared_experts`. After a forward,
     `self.routing` (a detached `Routing`) says where the tokens went.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, k: int = 2, capacity_factor: float | None = 1.25,
-                 group=None, *, balance_coef: float = 1e-2, z_coef: float = 1e-3):
+                 group=None, *, balance: str = "aux-loss", scores: str = "softmax", balance_coef: float = 1e-2,
+                 z_coef: float = 1e-3, bias_rate: float = 1e-3, granularity: int = 1, shared: int = 0):
         super().__init__()
         self.dim, self.hidden = validation.positive_int("dim", dim), validation.positive_int("hidden", hidden)
         self.num_experts = validation.positive_int("num_experts", num_experts)
         validation.integer("k", k, 1, num_experts, hint="(experts per token, at most num_experts)")
         if capacity_factor is not None:
             validation.positive("capacity_factor", capacity_factor, hint="(or None: dropless)")
+        self.balance, self.scores = validation.one_of("balance", balance, BALANCE), validation.one_of(
+            "scores", scores, SCORES)
         validation.number("balance_coef", balance_coef, low=0)
         validation.number("z_coef", z_coef, low=0)
+        validation.number("bias_rate", bias_rate, low=0)
+        self.granularity = validation.positive_int("granularity", granularity)
+        if hidden % granularity:
+            raise ValueError(f"hidden={hidden} is not divisible by granularity={granularity} (each expert is split "
+                             "into granularity experts of hidden / granularity)")
+        self.shared = validation.integer("shared", shared, 0, granularity * k - 1,
+                                         hint="(shared experts take that many of the granularity·k slots: one "
+                                              "must stay routed)")
         self.k, self.capacity_factor, self.group = k, capacity_factor, group
-        self.balance_coef, self.z_coef = float(balance_coef), float(z_coef)
+        self.balance_coef, self.z_coef, self.bias_rate = float(balance_coef), float(z_coef), float(bias_rate)
+        self.expert_hidden = hidden // granularity
+        self.routed_experts, self.routed_k = granularity * num_experts - shared, granularity * k - shared
         self.world_size, rank = 1, 0
         if group is not None:
             if not td.is_initialized() or td.get_rank(group) < 0:
                 raise ValueError("group must be a torch.distributed process group this process belongs to")
             self.world_size, rank = td.get_world_size(group), td.get_rank(group)
-            if num_experts % self.world_size:
-                raise ValueError(f"num_experts={num_experts} is not divisible by the expert-parallel world size "
-                                 f"{self.world_size} (each rank owns num_experts / world_size experts)")
-        self.num_local_experts = num_experts // self.world_size
+            if self.routed_experts % self.world_size:
+                split = f" (granularity={granularity}, shared={shared}: {self.routed_experts} routed experts)"
+                raise ValueError(f"num_experts={num_experts}{split if self.routed_experts != num_experts else ''} "
+                                 f"is not divisible by the expert-parallel world size {self.world_size} (each rank "
+                                 "owns routed_experts / world_size experts)")
+        self.num_local_experts = self.routed_experts // self.world_size
         self.first_expert = rank * self.num_local_experts
-        self.gate = nn.Linear(dim, num_experts, bias=False)  # the router, replicated on every rank
-        self.experts = nn.ModuleList(Expert(dim, hidden) for _ in range(self.num_local_experts))
+        self.gate = nn.Linear(dim, self.routed_experts, bias=False)  # the router, replicated on every rank
+        self.experts = nn.ModuleList(Expert(dim, self.expert_hidden) for _ in range(self.num_local_experts))
+        # replicated on every rank, like the router
+        self.shared_experts = Expert(dim, shared * self.expert_hidden) if shared else None
+        biased = balance == "bias"
+        self.register_buffer("expert_bias", torch.zeros(self.routed_experts) if biased else None)  # (E,) bᵢ
+        # (E,) loads since the last update_bias(); not saved: an update empties it
+        self.register_buffer("step_load", torch.zeros(self.routed_experts, dtype=torch.long) if biased else None,
+                             persistent=False)
         self.routing: Routing | None = None
 
     @classmethod
     def from_layer(cls, layer: MoELayer, group) -> MoELayer:
-        """This rank's share of the single-process `layer`: a copy of its router and of the experts it owns."""
+        """This rank's share of the single-process `layer`: a copy of its router (with its bias), its shared
+        experts and the routed experts it owns."""
         if not isinstance(layer, MoELayer) or layer.group is not None:
             raise ValueError("layer must be a single-process MoELayer (group=None)")
         new = cls(layer.dim, layer.hidden, layer.num_experts, layer.k, layer.capacity_factor, group,
-                  balance_coef=layer.balance_coef, z_coef=layer.z_coef)
-        new.gate = copy.deepcopy(layer.gate)
+                  balance=layer.balance, scores=layer.scores, balance_coef=layer.balance_coef, z_coef=layer.z_coef,
+                  bias_rate=layer.bias_rate, granularity=layer.granularity, shared=layer.shared)
+        new.gate, new.shared_experts = copy.deepcopy(layer.gate), copy.deepcopy(layer.shared_experts)
+        if layer.expert_bias is not None:
+            new.expert_bias = layer.expert_bias.clone()  # its dtype too (a copy_ would keep the new float32)
         mine = range(new.first_expert, new.first_expert + new.num_local_experts)
         new.experts = nn.ModuleList(copy.deepcopy(layer.experts[e]) for e in mine)
         return new
+
+    def router(self, tokens: torch.Tensor) -> Routing:
+        """The routing of `tokens` (T, dim): this layer's scores, bias, routed_k and capacity."""
+        return route(self.gate(tokens), self.routed_k, self.capacity_factor, bias=self.expert_bias,
+                     scores=self.scores)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if x.shape[-1] != self.dim:
             raise ValueError(f"x has last dimension {x.shape[-1]}, the layer expects dim={self.dim}")
         tokens = x.reshape(-1, self.dim)  # (T, C)
-        r = route(self.gate(tokens), self.k, self.capacity_factor)
+        r = self.router(tokens)
         token = r.token  # (K,)
         rows = tokens.index_select(0, token)  # (K, C): permuted by expert, once
         if self.group is None:
@@ -203,27 +272,55 @@ class MoELayer(nn.Module):
         else:
             y = expert_parallel(self.experts, rows, r.counts, self.group)  # (K, C)
         gated = y * r.kept_gate.to(y.dtype)[:, None]  # (K, C)
-        out = y.new_zeros(tokens.shape).index_add_(0, token, gated)  # (T, C): un-permuted, once
+        base = y.new_zeros(tokens.shape) if self.shared_experts is None else self.shared_experts(tokens)  # (T, C)
+        out = base.index_add_(0, token, gated)  # (T, C): un-permuted, once
         self.routing = r.detach()
-        return out.view(x.shape), self.balance_coef * r.balance_loss + self.z_coef * r.z_loss
+        if self.step_load is not None and self.training:
+            self.step_load += r.load  # a recomputed forward (checkpointing) doubles every load: same signs
+        aux = self.z_coef * r.z_loss
+        if self.balance == "aux-loss":
+            aux = self.balance_coef * r.balance_loss + aux
+        return out.view(x.shape), aux
+
+    @torch.no_grad()
+    def update_bias(self, group=None) -> torch.Tensor:
+        """Aux-loss-free balancing's update (Wang et al. 2024 §3, DeepSeek-V3 §2.1.2): bᵢ += γ·sign(mean load −
+        loadᵢ), the loads (before capacity) summed over every training forward since the last call, which it
+        empties; call it after optimizer.step(). The loads are first summed over `group` (default: the layer's
+        expert-parallel group; pass the data-parallel group where replicas route different tokens) so that every
+        rank moves its bias alike. Returns those loads (E,)."""
+        if self.expert_bias is None:
+            raise ValueError(f"update_bias() needs balance='bias'; this layer has balance={self.balance!r}")
+        load = self.step_load.clone()  # (E,)
+        group = self.group if group is None else group
+        if group is not None:
+            td.all_reduce(load, group=group)
+        # sign(mean − loadᵢ) = sign(Σ load − E·loadᵢ), in integers: exact, also when the mean is not
+        self.expert_bias += self.bias_rate * torch.sign(load.sum() - load.numel() * load).to(self.expert_bias.dtype)
+        self.step_load.zero_()
+        return load
 
 
 def loop_reference(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
-    """The definition, one token at a time (slow; for tests and the bench): softmax, top-k, gates renormalised
-    for k ≥ 2, and `capacity` slots per expert handed out to all first choices in token order, then all second
-    choices."""
+    """The definition, one token at a time (slow; for tests and the bench): softmax (or sigmoid) scores, top-k of
+    the scores plus the bias, gates the chosen unbiased scores, renormalised for k ≥ 2, `capacity` slots per
+    expert handed out to all first choices in token order, then all second choices, and the shared experts."""
     if layer.group is not None:
         raise ValueError("layer must be a single-process MoELayer (group=None)")
     tokens = x.reshape(-1, layer.dim)  # (T, C)
-    T, E, k = tokens.shape[0], layer.num_experts, layer.k
+    T, E, k = tokens.shape[0], layer.routed_experts, layer.routed_k
     capacity = _capacity(k, T, E, layer.capacity_factor)
     choices = []
     for t in range(T):
         logits = layer.gate(tokens[t])  # (E,)
-        p = logits.to(torch.promote_types(logits.dtype, torch.float32)).softmax(0)  # (E,)
-        top_p, top_e = p.topk(k)
-        choices.append((top_e.tolist(), top_p if k == 1 else top_p / top_p.sum()))
-    out, used = [tokens.new_zeros(layer.dim) for _ in range(T)], [0] * E
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (E,)
+        score = logits.softmax(0) if layer.scores == "softmax" else logits.sigmoid()  # (E,)
+        top_e = (score if layer.expert_bias is None else score + layer.expert_bias).topk(k).indices  # (k,)
+        top_s = score[top_e]  # (k,)
+        choices.append((top_e.tolist(), top_s if k == 1 else top_s / top_s.sum()))
+    out = [tokens.new_zeros(layer.dim) if layer.shared_experts is None else layer.shared_experts(tokens[t])
+           for t in range(T)]
+    used = [0] * E
     for j in range(k):
         for t in range(T):
             e = choices[t][0][j]
@@ -238,11 +335,13 @@ def every_expert(layer: MoELayer):
     weighted by its gate where the token chose it and kept its slot (0 elsewhere), the layer's own routing."""
     def forward(x):
         tokens = x.reshape(-1, layer.dim)  # (T, C)
-        r = route(layer.gate(tokens), layer.k, layer.capacity_factor)
+        r = layer.router(tokens)
         gates = r.gate.masked_fill(r.dropped, 0).to(x.dtype)  # (T, k)
-        weights = torch.zeros(tokens.shape[0], layer.num_experts, dtype=x.dtype, device=x.device).scatter_add(
+        weights = torch.zeros(tokens.shape[0], layer.routed_experts, dtype=x.dtype, device=x.device).scatter_add(
             1, r.expert, gates)  # (T, E)
-        return sum(expert(tokens) * weights[:, e:e + 1] for e, expert in enumerate(layer.experts)).view(x.shape)
+        routed = sum(expert(tokens) * weights[:, e:e + 1] for e, expert in enumerate(layer.experts))  # (T, C)
+        shared = 0 if layer.shared_experts is None else layer.shared_experts(tokens)  # (T, C)
+        return (routed + shared).view(x.shape)
     return forward
 
 

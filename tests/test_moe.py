@@ -181,6 +181,156 @@ def test_bad_arguments_are_refused_by_name():
         grouped_mlp([Expert(3, 5)] * 3, torch.randn(7, 3), [3, 0, 3])
 
 
+def _fresh_seed() -> int:
+    return torch.randint(0, 2**31, ()).item()  # fresh inputs and weights on every run; failures print it
+
+
+@pytest.mark.parametrize("scores", ["softmax", "sigmoid"])
+def test_the_bias_changes_which_experts_are_chosen_but_not_their_gates(scores):
+    seed = _fresh_seed()
+    torch.manual_seed(seed)
+    T, E, k = 37, 7, 3
+    logits = torch.randn(T, E, dtype=torch.float64)
+    bias = torch.randn(E, dtype=torch.float64) * 0.3  # the scores' scale: probabilities in [0, 1]
+    plain, biased = route(logits, k, None, scores=scores), route(logits, k, None, bias=bias, scores=scores)
+    score = plain.probs if scores == "softmax" else logits.sigmoid()  # (T, E) the unbiased scores
+    assert torch.equal(biased.expert, (score + bias).topk(k, dim=-1).indices), seed
+    assert (biased.expert != plain.expert).any(1).float().mean() > 0.3, seed  # the bias did move choices
+    top = score.gather(1, biased.expert)  # (T, k) the chosen experts' unbiased scores
+    assert torch.equal(biased.gate, top / top.sum(-1, keepdim=True)), seed  # the same operations: bit for bit
+    assert torch.equal(biased.probs, plain.probs) and torch.equal(biased.z_loss, plain.z_loss), seed
+    assert torch.equal(biased.load, torch.bincount(biased.expert.flatten(), minlength=E)), seed
+
+
+def test_sigmoid_scores_are_normalised_over_the_chosen_k():
+    logits = torch.tensor([[2.0, 0.0, -1.0, 1.0]], dtype=torch.float64)
+    r = route(logits, 2, None, scores="sigmoid")
+    s = [1 / (1 + math.exp(-v)) for v in (2.0, 1.0)]  # experts 0 and 3, the two largest
+    assert r.expert.tolist() == [[0, 3]] and r.gate[0].tolist() == pytest.approx([s[0] / sum(s), s[1] / sum(s)])
+    assert r.probs.sum().item() == pytest.approx(1.0)  # the balance loss's P: the scores normalised over E
+    assert route(logits, 1, None, scores="sigmoid").gate.item() == pytest.approx(s[0])  # k = 1: the raw score
+
+
+def _one_hot_tokens(experts, E):
+    return torch.eye(E, dtype=torch.float64)[experts] * 4.0  # with an identity router: token t picks experts[t]
+
+
+def test_update_bias_moves_each_expert_by_gamma_times_the_sign_of_mean_minus_load():
+    E = 4
+    layer = MoELayer(E, 8, E, k=1, capacity_factor=None, balance="bias", bias_rate=0.1).double()
+    with torch.no_grad():
+        layer.gate.weight.copy_(torch.eye(E))
+    layer(_one_hot_tokens([0, 0, 0, 1, 1, 2], E))  # two forwards of one step (accumulation) add their loads
+    layer(_one_hot_tokens([0, 3], E))
+    layer.eval()
+    layer(_one_hot_tokens([3, 3, 3], E))  # an evaluation forward does not count
+    layer.train()
+    assert layer.update_bias().tolist() == [4, 2, 1, 1]  # mean 2: expert 0 over, 1 even, 2 and 3 under
+    assert layer.expert_bias.tolist() == pytest.approx([-0.1, 0.0, 0.1, 0.1], abs=1e-15)
+    assert layer.step_load.tolist() == [0] * E  # emptied for the next step
+    # loads 3, 1, 1, 0: the mean 1.25 is no load, so every expert moves (compared in integers: 5 vs 4·loadᵢ)
+    layer(_one_hot_tokens([0, 0, 0, 1, 2], E))
+    assert layer.update_bias().tolist() == [3, 1, 1, 0]
+    assert layer.expert_bias.tolist() == pytest.approx([-0.2, 0.1, 0.2, 0.2], abs=1e-15)
+    assert layer.update_bias().tolist() == [0] * E and layer.expert_bias.tolist() == pytest.approx(
+        [-0.2, 0.1, 0.2, 0.2], abs=1e-15)  # no forward since: no move
+    # the bias travels in the state_dict (the loads of a step in progress do not)
+    state = layer.state_dict()
+    assert "expert_bias" in state and "step_load" not in state
+    fresh = MoELayer(E, 8, E, k=1, capacity_factor=None, balance="bias").double()
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.expert_bias, layer.expert_bias)
+    assert "expert_bias" not in MoELayer(E, 8, E).state_dict()  # the default layer's state is as it was
+
+
+def test_the_bias_balances_a_skewed_router_step_by_step(one_thread):
+    seed = _fresh_seed()
+    torch.manual_seed(seed)
+    E, C = 8, 6
+    layer = MoELayer(C, 4, E, k=2, capacity_factor=None, balance="bias", bias_rate=0.005)
+    with torch.no_grad():  # a fixed router that prefers experts 0 and 1 for most tokens
+        layer.gate.weight.normal_().mul_(0.3)
+        layer.gate.weight[:2] += 1.0 / C
+    offset = torch.ones(C)  # every token shares this direction, as a transformer's hidden states do
+    spread = []  # max load / mean load − 1 (Wang et al. 2024's MaxVio) per step, on fresh tokens
+    with torch.no_grad():
+        for _ in range(150):
+            layer(torch.randn(512, C) + offset)
+            load = layer.update_bias().double()
+            spread.append((load.max() / load.mean() - 1).item())
+    last = sum(spread[-20:]) / 20
+    # 1,024 assignments: at first experts 0 and 1 take more than twice their share; at the end the loads are even
+    # up to the bias's ±γ oscillation (a sign rule never stops moving) and the sampling noise of fresh tokens
+    assert spread[0] > 1.0 and last < 0.45 and last < spread[0] / 3, (seed, spread[0], last)
+
+
+@pytest.mark.parametrize("scores,capacity_factor", [("softmax", None), ("sigmoid", None), ("softmax", 0.7),
+                                                    ("sigmoid", 0.7)])
+def test_shared_and_fine_grained_experts_equal_the_per_token_loop(one_thread, scores, capacity_factor):
+    seed = _fresh_seed()
+    torch.manual_seed(seed)
+    # odd sizes: C=5, 3 coarse experts of hidden 12 split in 3 (hidden 4), top-2 → 6 slots: 2 shared, 4 routed of 7
+    layer = MoELayer(5, 12, 3, k=2, capacity_factor=capacity_factor, balance="bias", scores=scores, granularity=3,
+                     shared=2).double()
+    assert (layer.routed_experts, layer.routed_k, layer.expert_hidden) == (7, 4, 4)
+    assert layer.shared_experts.c_fc.out_features == 8  # the two shared experts side by side
+    with torch.no_grad():
+        layer.expert_bias.normal_().mul_(0.2)  # a bias that changes choices, as after some training
+    x = torch.randn(2, 13, 5, dtype=torch.float64)
+    y, grads = _grads(layer, x, lambda v: layer(v)[0])
+    for reference in (lambda v: loop_reference(layer, v), every_expert(layer)):
+        y_ref, grads_ref = _grads(layer, x, reference)
+        # float64; the grouped matmuls and the references' sum in different orders: ~1e-16 relative
+        torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12, msg=f"seed {seed}")
+        for name, g in grads.items():  # an expert no token chose: zeros here, no gradient (None) in the loop
+            ref = torch.zeros_like(g) if grads_ref[name] is None else grads_ref[name]
+            torch.testing.assert_close(g, ref, rtol=1e-12, atol=1e-12, msg=lambda m, n=name: f"{n}, seed {seed}: {m}")
+    assert capacity_factor is None or layer.routing.drop_rate > 0, seed
+
+
+def test_fine_grained_experts_cost_the_coarse_layers_flops_and_parameters():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    C, H, E, k, T, m, s = 16, 64, 4, 2, 50, 4, 1
+    coarse = MoELayer(C, H, E, k, capacity_factor=None)
+    fine = MoELayer(C, H, E, k, capacity_factor=None, granularity=m, shared=s)
+    assert (fine.routed_experts, fine.routed_k, fine.expert_hidden) == (m * E - s, m * k - s, H // m)
+    x = torch.randn(T, C)
+    counted = {}
+    for name, layer in (("coarse", coarse), ("fine", fine)):
+        with FlopCounterMode(display=False) as counter:
+            layer(x)
+        counted[name] = counter.get_total_flops()  # every matmul of the forward, PyTorch's count
+    router = {"coarse": 2 * T * C * E, "fine": 2 * T * C * (m * E - s)}  # (T, C) @ (C, E): 2·T·C·E
+    experts = 2 * 2 * T * k * C * H  # per chosen coarse expert: C→H and H→C, 2·C·H each, per token
+    assert counted["coarse"] == router["coarse"] + experts
+    assert counted["fine"] == router["fine"] + experts  # s shared + (m·k − s) routed experts of H/m: k·H
+    weights = {name: sum(p.numel() for n, p in layer.named_parameters() if "experts" in n and n.endswith("weight"))
+               for name, layer in (("coarse", coarse), ("fine", fine))}
+    assert weights["coarse"] == weights["fine"] == E * 2 * C * H  # the same expert weights, cut finer
+
+
+def test_new_router_arguments_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"balance='loss' must be one of 'aux-loss', 'bias', 'none'"):
+        MoELayer(6, 10, 4, balance="loss")
+    with pytest.raises(ValueError, match=r"scores='tanh' must be one of 'softmax', 'sigmoid'"):
+        MoELayer(6, 10, 4, scores="tanh")
+    with pytest.raises(ValueError, match="scores='tanh'"):
+        route(torch.randn(3, 4), 2, None, scores="tanh")
+    with pytest.raises(ValueError, match=r"bias has shape \(3,\), expected \(4,\): one per expert"):
+        route(torch.randn(3, 4), 2, None, bias=torch.zeros(3))
+    with pytest.raises(ValueError, match="bias_rate=-0.1"):
+        MoELayer(6, 10, 4, bias_rate=-0.1)
+    with pytest.raises(ValueError, match="granularity=0 must be a positive int"):
+        MoELayer(6, 10, 4, granularity=0)
+    with pytest.raises(ValueError, match="hidden=10 is not divisible by granularity=4"):
+        MoELayer(6, 10, 4, granularity=4)
+    with pytest.raises(ValueError, match=r"shared=4 must be an int in \[0, 3\] \(shared experts take"):
+        MoELayer(6, 10, 4, k=2, granularity=2, shared=4)
+    with pytest.raises(ValueError, match="update_bias\\(\\) needs balance='bias'; this layer has balance='none'"):
+        MoELayer(6, 10, 4, balance="none").update_bias()
+
+
 def _group(world):
     if not _groups:  # every rank builds every grid, in the same order
         _groups.update({k: Grid(dp=k, ranks=range(k)) for k in WORLD_SIZES})
@@ -280,3 +430,55 @@ def test_bench_sizes_follow_the_tier_and_smoke_mode(monkeypatch):
     monkeypatch.setattr(runtime, "tier", lambda: runtime.Tier("gpu", 1, "H200"))  # the ranks compute on the CPU
     assert moe_bench.sizes(None) == moe_bench.SIZES["gpu"] and moe_bench.sizes(None, True) == moe_bench.SIZES["cpu"]
     assert moe_bench.sizes(dict(tokens=8))["tokens"] == 8
+
+
+def _balanced_layer(seed):
+    torch.manual_seed(seed)  # 3 experts split in 3, one shared: 8 routed experts (2 or 4 per rank), top 5
+    layer = MoELayer(5, 12, 3, k=2, capacity_factor=None, balance="bias", granularity=3, shared=1).double()
+    with torch.no_grad():
+        layer.expert_bias.normal_().mul_(0.2)
+    return layer
+
+
+def _balanced_tokens(seed, rank):
+    torch.manual_seed(seed + 1 + rank)
+    return torch.randn(11 + 2 * rank, 5, dtype=torch.float64)  # ranks hold different T
+
+
+def _expert_parallel_balanced(world, seed):
+    import torch.distributed as td
+
+    group = _group(world)
+    if group is False:
+        return None
+    rank = td.get_rank(group)
+    layer = MoELayer.from_layer(_balanced_layer(seed), group)
+    x = _balanced_tokens(seed, rank).requires_grad_(True)
+    y, aux = layer(x)
+    ((y * torch.linspace(-1, 1, 5, dtype=y.dtype)).sum() + aux).backward()
+    load = layer.update_bias()  # summed over the group: every rank moves its bias alike
+    return {"rank": rank, "y": y.detach(), "x_grad": x.grad, "load": load, "bias": layer.expert_bias,
+            "grads": {name: p.grad for name, p in layer.named_parameters() if not name.startswith("experts.")}}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_with_shared_experts_and_the_bias_equals_one_process(cluster, world):
+    seed = _fresh_seed()
+    results = [r for r in cluster.run(_expert_parallel_balanced, world, seed) if r is not None]
+    assert [r["rank"] for r in results] == list(range(world))
+    whole = _balanced_layer(seed)  # one process sees every rank's tokens of the step
+    for r in results:
+        x = _balanced_tokens(seed, r["rank"]).requires_grad_(True)
+        full = _balanced_layer(seed)  # rank r computes what the single-process layer computes on its tokens
+        y, aux = full(x)
+        ((y * torch.linspace(-1, 1, 5, dtype=y.dtype)).sum() + aux).backward()
+        # float64; only the order of the sums differs (an expert's rows arrive grouped by rank): ~1e-16 relative
+        torch.testing.assert_close(r["y"], y.detach(), rtol=1e-12, atol=1e-12, msg=lambda m: f"seed {seed}: {m}")
+        torch.testing.assert_close(r["x_grad"], x.grad, rtol=1e-12, atol=1e-12, msg=lambda m: f"seed {seed}: {m}")
+        for name, g in r["grads"].items():  # the router and the shared experts: this rank's tokens only
+            torch.testing.assert_close(g, dict(full.named_parameters())[name].grad, rtol=1e-12, atol=1e-12,
+                                       msg=lambda m, n=name: f"{n}, seed {seed}: {m}")
+        whole(x.detach())
+    load = whole.update_bias()
+    for r in results:  # integer loads, and the same ±γ steps: exact
+        assert torch.equal(r["load"], load) and torch.equal(r["bias"], whole.expert_bias), seed
