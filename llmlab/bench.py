@@ -33,6 +33,7 @@ BENCHES: dict[str, str] = {
     "vector_add": "llmlab.kernels.vector_add:bench",
     "gemm": "llmlab.kernels.gemm:bench",
     "attention": "llmlab.kernels.attention:bench",
+    "grouped_gemm": "llmlab.kernels.grouped_gemm:bench",
     "quant": "llmlab.quant:bench",
     "precision": "llmlab.precision:bench",
     "checkpoint": "llmlab.memory.checkpoint:bench",
