@@ -34,6 +34,7 @@ BENCHES: dict[str, str] = {
     "gemm": "llmlab.kernels.gemm:bench",
     "attention": "llmlab.kernels.attention:bench",
     "quant": "llmlab.quant:bench",
+    "fp8": "llmlab.fp8:bench",
     "precision": "llmlab.precision:bench",
     "checkpoint": "llmlab.memory.checkpoint:bench",
     "compress": "llmlab.memory.compress:bench",

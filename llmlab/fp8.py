@@ -10,7 +10,7 @@ Learning", §3; both formats run on H100 tensor cores at twice the BF16 rate):
 
 Rounding is to nearest, ties to even, so a stored value is within a relative 2⁻⁽ᵐ⁺¹⁾ (1/16 for E4M3, 1/8 for E5M2)
 of the value, or, below the smallest normal, within half a subnormal step. `cast` *saturates*: what lies beyond
-the largest value becomes ±max, not NaN (E4M3 has no inf; torch's plain `.to(float8_e4m3fn)` gives NaN there).
+the largest value becomes ±max (torch's plain `.to(torch.float8_e5m2)` gives ±inf there; E4M3 has no inf).
 
 So few bits hold only with a **scale**: x is stored as q = cast(x / s) and read back as q·s, with s = amax / max
 so that the largest |x| a scale covers lands on the format's largest value. What one scale covers decides how an
@@ -42,6 +42,7 @@ tensor cores (`_blockwise_gemm_applies` says when); `llmlab bench fp8` times tha
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -194,6 +195,13 @@ def _blockwise_gemm_applies(a_q: torch.Tensor, a_granularity: str, b_q: torch.Te
     return torch.cuda.get_device_capability(a_q.device)[0] == 9 and m % 128 == 0 and n % 128 == 0 and k % 512 == 0
 
 
+def _blockwise_operands(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor):
+    """The arguments of torch's blockwise FP8 GEMM for a @ bᵀ, a (M, K) in 1×128 tiles, b (N, K) in 128×128 blocks:
+    mat_a (M, K) row-major, mat_b = bᵀ (K, N) column-major, scale_a (M, K/128) outer-dim-major (each column
+    contiguous), scale_b (K/128, N/128) — the layout of torch's own blockwise test and of its users' calls."""
+    return a_q.contiguous(), b_q.contiguous().t(), a_s.t().contiguous().t(), b_s.contiguous().t()
+
+
 def _matmul(a: tuple[torch.Tensor, torch.Tensor, str], b: tuple[torch.Tensor, torch.Tensor, str],
             block: int) -> torch.Tensor:
     """a @ bᵀ accumulated in fp32, for quantized operands a = (q, scales, granularity) of shape (M, K) and b of
@@ -201,9 +209,8 @@ def _matmul(a: tuple[torch.Tensor, torch.Tensor, str], b: tuple[torch.Tensor, to
     as DeepSeek-V3's GEMMs write BF16), else the fp32 matmul of the dequantized operands."""
     (a_q, a_s, a_g), (b_q, b_s, b_g) = a, b
     if _blockwise_gemm_applies(a_q, a_g, b_q, b_g, block):
-        # mat_b is bᵀ (K, N) column-major; the 1×128 scales (M, K/128) outer-dim-major; the blocks' (K/128, N/128)
-        return torch._scaled_mm(a_q.contiguous(), b_q.contiguous().t(), scale_a=a_s.t().contiguous().t(),
-                                scale_b=b_s.contiguous().t(), out_dtype=torch.bfloat16).float()  # (M, N)
+        mat_a, mat_b, scale_a, scale_b = _blockwise_operands(a_q, a_s, b_q, b_s)
+        return torch._scaled_mm(mat_a, mat_b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16).float()
     return dequantize(a_q, a_s, a_g, block) @ dequantize(b_q, b_s, b_g, block).t()  # (M, N): fp32 sums
 
 
@@ -385,42 +392,41 @@ def _accuracy_rows(m: int, k: int, n: int) -> list[dict]:
 
 
 def _timed_rows(sizes, device) -> list[dict]:
-    """FP8 (quantizing x and W, then the blockwise GEMM) against the bf16 linear, and the GEMM alone, per size."""
+    """FP8 (quantizing x and W, then the GEMM) against the bf16 linear, and the FP8 GEMM alone against the bf16
+    matmul, on (s, s) activations and an (s, s) weight per size s: two rows each, with the path the GEMM took."""
     rows = []
     for s in sizes:
         x = torch.randn(s, s, device=device, dtype=torch.bfloat16)  # (s, s) activations
         w = torch.randn(s, s, device=device) / s**0.5  # (s, s) fp32 master weight
-        w16 = w.to(torch.bfloat16)
-        a, b = _quantize(x, E4M3, "tile", 128), _quantize(w, E4M3, "block", 128)
+        w16 = w.to(torch.bfloat16)  # (s, s)
+        a, b = (*_quantize(x, E4M3, "tile", 128), "tile"), (*_quantize(w, E4M3, "block", 128), "block")
         path = "torch._scaled_mm blockwise" if _blockwise_gemm_applies(a[0], "tile", b[0], "block", 128) \
             else "dequantize + fp32 matmul"
-        flops = 2 * s**3
-        with torch.no_grad():
-            for impl, fn, peer, peer_fn in (
-                ("fp8 linear forward (quantize x, W + GEMM)", lambda: fp8_linear(x, w), "bf16 F.linear",
-                 lambda: F.linear(x, w16)),
-                ("fp8 GEMM alone (operands quantized before)", lambda: _matmul((*a, "tile"), (*b, "block"), 128),
-                 "bf16 matmul", lambda: x @ w16.t()),
-            ):
+        pairs = (("fp8 linear forward (quantize x, W + GEMM)", functools.partial(fp8_linear, x, w),
+                  "bf16 F.linear", functools.partial(F.linear, x, w16)),
+                 ("fp8 GEMM alone (operands quantized before)", functools.partial(_matmul, a, b, 128),
+                  "bf16 matmul", functools.partial(torch.matmul, x, w16.t())))
+        for impl, fn, peer, peer_fn in pairs:
+            with torch.no_grad():
                 c = timing.compare(fn, peer_fn, device=device)
-                rows.append({"impl": impl, "peer": peer, "size": f"{s}x{s}x{s}", "path": path, **c.row(),
-                             "impl_TFLOP/s": flops / c.impl.seconds / 1e12,
-                             "peer_TFLOP/s": flops / c.peer.seconds / 1e12})
+            rows.append({"impl": impl, "peer": peer, "size": f"{s}x{s}x{s}", "path": path, **c.row(),
+                         "impl_TFLOP/s": 2 * s**3 / c.impl.seconds / 1e12,
+                         "peer_TFLOP/s": 2 * s**3 / c.peer.seconds / 1e12})
     return rows
 
 
 def bench(sizes=None, steps: int = 30) -> list[dict]:
     """`llmlab bench fp8`. On a GPU: the FP8 linear's forward (quantizing both operands, then the GEMM) and the
-    FP8 GEMM alone against bf16 on square sizes, to find where FP8 wins (`sizes`: 1024 to 8192; 256 under smoke
-    mode). On a CPU, no timing (an FP8 product runs as an fp32 matmul there: its time says nothing of FP8):
-    FP8Linear's forward and gradients against float64, the outlier experiment at ×10² and ×10⁵, and `steps`
-    training steps of the tiny GPT in fp8 and bf16 against fp32 (the loss gap of the last step)."""
+    FP8 GEMM alone against bf16 on square `sizes` (default 1024 to 8192; 256 under smoke mode), to find where FP8
+    wins. On a CPU, no timing (an FP8 product runs as an fp32 matmul there: its time says nothing of FP8):
+    FP8Linear's forward and gradients against float64 on a ragged 250×1000×300, the outlier experiment at ×10² and
+    ×10⁵, and `steps` training steps of the tiny GPT in fp8 and bf16 against fp32 (the last step's loss gap)."""
     t = runtime.tier()
     if t.is_gpu:
-        return _timed_rows(sizes or ((256,) if t.smoke else (1024, 2048, 4096, 8192)), runtime.device())
-    validation.integer("steps", steps, low=1)
-    m, k, n = sizes or (256, 1024, 512)
-    rows = _accuracy_rows(m, k, n)
+        sizes = sizes or ((256,) if t.smoke else (1024, 2048, 4096, 8192))
+        return _timed_rows([validation.positive_int("sizes", s) for s in sizes], runtime.device())
+    validation.positive_int("steps", steps)
+    rows = _accuracy_rows(250, 1000, 300)
     for magnitude in (1e2, 1e5):
         e = outlier_errors(magnitude)
         rows.append({"impl": "E4M3, 1×128 tiles", "peer": "E4M3, per tensor",
