@@ -178,9 +178,9 @@ def linear_case(seed, k=300, n=200):
     return x, w, b, dy
 
 
-def run_fp8_linear(x, w, b, dy, recipe=fp8.FP8Recipe()):
+def run_fp8_linear(x, w, b, dy, recipe=None):
     x_, w_, b_ = (t.clone().requires_grad_(True) for t in (x, w, b))
-    y = fp8.fp8_linear(x_, w_, b_, recipe)
+    y = fp8.fp8_linear(x_, w_, b_, recipe or fp8.FP8Recipe())
     y.backward(dy)
     return y.detach(), x_.grad, w_.grad, b_.grad
 
@@ -235,11 +235,12 @@ def test_fp8_linear_is_the_product_of_the_quantized_operands(seed):
         assert 0.003 < relative < (0.1 if fa is fp8.E5M2 else 0.05)  # FP8's rounding is there, and modest
 
 
-def test_e4m3_gradients_beat_e5m2_under_tiles():
+@pytest.mark.parametrize("seed", [0])
+def test_e4m3_gradients_beat_e5m2_under_tiles(seed):
     """Why the default recipe follows DeepSeek-V3 (E4M3 everywhere): with a scale per tile the gradient needs no
     E5M2 range, and E4M3's extra mantissa bit halves the gradient's own rounding error (measured 0.50×); dX, which
     shares W's E4M3 error, gains less (measured 0.63×)."""
-    x, w, b, dy = linear_case(0, k=512, n=384)
+    x, w, b, dy = linear_case(seed, k=512, n=384)
     dy2 = dy.reshape(150, -1)  # (M, N)
     dx64 = dy2.double() @ w.double()
     grad_error, dx_error = {}, {}
