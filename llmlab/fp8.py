@@ -29,13 +29,15 @@ model's Linears for it, the head and embeddings kept, as DeepSeek-V3 keeps them 
 
     from llmlab import fp8
     q, s = fp8.quantize(x, "e4m3", "tile")             # x (M, N) -> q (M, N) float8_e4m3fn, s (M, ⌈N/128⌉) fp32
-    x_hat = fp8.dequantize(q, s, "tile")               # (M, N) fp32, |x_hat − x| ≤ |x|/16 + s·2⁻¹⁰
+    x_hat = fp8.dequantize(q, s, "tile")               # (M, N) fp32, |x_hat − x| ≲ |x|/16 + s·2⁻¹⁰
     fp8.convert_to_fp8(model)                          # every Linear but the head, in place
-    fp8.outlier_errors(magnitude=1e5)                  # {'tensor': 0.45, 'row': 0.2, 'tile': 0.05}
+    fp8.outlier_errors(magnitude=1e5)                  # {'tensor': 0.44, 'row': 0.19, 'tile': 0.05}
     fp8.train_losses("fp8", steps=30)                  # the tiny GPT's loss curve, beside "fp32" and "bf16"
 
 On a CPU (and wherever the blockwise FP8 GEMM is unavailable) a product is computed as the fp32 matmul of the
-dequantized operands: the same numbers an FP8 tensor core with fp32 accumulation gives, at fp32's speed. On an
+dequantized operands: FP8 products with fp32 sums, at fp32's speed. (Hopper's FP8 tensor cores keep only about
+14 bits of their running sum; DeepSeek-V3 moves the partial sums to fp32 on the CUDA cores every 128 products,
+§3.3.2, which these sums stand for.) On an
 H100/H200 with torch's blockwise `torch._scaled_mm` (CUDA ≥ 12.9) the forward and dX products run on the FP8
 tensor cores (`_blockwise_gemm_applies` says when); `llmlab bench fp8` times that against bf16.
 """
@@ -167,8 +169,8 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, granularity: str = "tile",
 class FP8Recipe:
     """The formats of an FP8 Linear's operands and the tile edge. The default is DeepSeek-V3's (§3.3.2: E4M3 for
     every tensor): with a scale per 1×128 tile the gradient's range is the tile's, which E4M3 spans, and E4M3's
-    extra mantissa bit halves the rounding error. `grad="e5m2"` is Micikevicius et al.'s hybrid (§4: E5M2's range
-    for gradients under per-tensor scaling)."""
+    extra mantissa bit halves the rounding error. `grad="e5m2"` is Micikevicius et al.'s recipe (E5M2's range for
+    the gradients, which per-tensor scaling needs)."""
 
     activation: str = "e4m3"
     weight: str = "e4m3"
