@@ -35,6 +35,7 @@ BENCHES: dict[str, str] = {
     "attention": "llmlab.kernels.attention:bench",
     "grouped_gemm": "llmlab.kernels.grouped_gemm:bench",
     "quant": "llmlab.quant:bench",
+    "fp8": "llmlab.fp8:bench",
     "precision": "llmlab.precision:bench",
     "checkpoint": "llmlab.memory.checkpoint:bench",
     "compress": "llmlab.memory.compress:bench",

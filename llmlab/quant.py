@@ -42,9 +42,10 @@ from llmlab import runtime, timing, validation
 from llmlab.data import MarkovSource, SyntheticDataset
 from llmlab.kernels import quantize
 from llmlab.model import GPT, GPTConfig
+from llmlab.precision import PRECISIONS, autocast
 
 __all__ = ["MinMaxQuantizer", "LSQQuantizer", "QConfig", "QuantLinear", "quantize_model", "run_steps",
-           "train_tiny", "train_losses", "step_times", "BENCH_CONFIGS", "held_out_loss", "bench"]
+           "train_tiny", "tiny_losses", "train_losses", "step_times", "BENCH_CONFIGS", "held_out_loss", "bench"]
 
 _EPS = torch.finfo(torch.float32).eps  # the smallest scale allowed, as PyTorch's observers do
 
@@ -301,21 +302,29 @@ def quantize_model(model: nn.Module, quant_config: QConfig) -> nn.Module:
     return model
 
 
-def _tiny_run(quant_config: QConfig | None, seed: int, lr: float, batch_size: int, block_size: int, device):
-    """The tiny GPT (quantized with `quant_config`, or fp32 for None) on `device`, its AdamW, and the order-1
-    Markov source's batches, all from `seed`: the same seed gives every configuration the same start."""
+def _prepare(quant_config: QConfig | None):
+    """What `tiny_losses` applies to the fresh GPT for `quant_config`: quantize_model with it, or nothing (None)."""
+    return None if quant_config is None else functools.partial(quantize_model, quant_config=quant_config)
+
+
+def _tiny_run(prepare, seed: int, lr: float, batch_size: int, block_size: int, device):
+    """The tiny GPT (`prepare(model)` applied to it first: a quantizer, an FP8 conversion; None: plain fp32) on
+    `device`, its AdamW, and the order-1 Markov source's batches, all from `seed`: the same seed gives every
+    configuration the same start."""
     torch.manual_seed(seed)
     model = GPT(GPTConfig.preset("tiny", block_size=block_size))
-    if quant_config is not None:
-        quantize_model(model, quant_config)
+    if prepare is not None:
+        prepare(model)
     model.to(device)
     data = SyntheticDataset(MarkovSource(vocab_size=64, seed=seed), batch_size=batch_size, block_size=block_size,
                             seed=seed)
     return model, torch.optim.AdamW(model.parameters(), lr=lr), data
 
 
-def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    loss = model(x, y)[1]
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+                precision: str = "fp32") -> torch.Tensor:
+    with autocast(precision, x.device):  # 'fp32': no autocast; 'bf16': matmuls in bf16 on the fp32 weights
+        loss = model(x, y)[1]
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
@@ -323,11 +332,13 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Ten
 
 
 def run_steps(model: nn.Module, optimizer: torch.optim.Optimizer, data: SyntheticDataset, steps: int,
-              device: str | torch.device = "cpu") -> list[float]:
-    """`steps` training steps of `model` on `data`'s next batches (moved to `device`); the loss of each. The
-    one training loop of the tiny runs here and in `llmlab.nf4` (QLoRA's fine-tunes)."""
+              device: str | torch.device = "cpu", precision: str = "fp32") -> list[float]:
+    """`steps` training steps of `model` on `data`'s next batches (moved to `device`, forwards under `precision`'s
+    autocast); the loss of each. The one training loop of the tiny runs here, in `llmlab.nf4` (QLoRA's fine-tunes)
+    and in `llmlab.fp8`."""
     validation.positive_int("steps", steps)
-    return [_train_step(model, optimizer, *(t.to(device) for t in data.next_batch())).item() for _ in range(steps)]
+    return [_train_step(model, optimizer, *(t.to(device) for t in data.next_batch()), precision).item()
+            for _ in range(steps)]
 
 
 def train_tiny(quant_config: QConfig | None, steps: int = 100, seed: int = 0, lr: float = 3e-3,
@@ -337,8 +348,23 @@ def train_tiny(quant_config: QConfig | None, steps: int = 100, seed: int = 0, lr
     source with AdamW for `steps` steps on `device`: (the trained model, the loss of every step). Deterministic:
     the same arguments give the same model, so it serves as a pretrained start (`llmlab.ptq`, `llmlab.nf4`)."""
     validation.positive_int("steps", steps)
-    model, optimizer, data = _tiny_run(quant_config, seed, lr, batch_size, block_size, device)
+    model, optimizer, data = _tiny_run(_prepare(quant_config), seed, lr, batch_size, block_size, device)
     return model, run_steps(model, optimizer, data, steps, device)
+
+
+def tiny_losses(prepare, steps: int = 100, seed: int = 0, lr: float = 3e-3, batch_size: int = 16,
+                block_size: int = 64, device: str | torch.device = "cpu", precision: str = "fp32") -> list[float]:
+    """Train the tiny GPT on the order-1 Markov source with AdamW for `steps` steps on `device`; the loss of every
+    step. `prepare(model)` changes the fresh model first (None: left as it is; `quantize_model` for QAT,
+    `llmlab.fp8.convert_to_fp8` for FP8), and `precision` is the autocast of every forward ('fp32': none, 'bf16'
+    or 'fp16', `llmlab.precision.autocast`). The same seed gives every run the same initial weights and batches,
+    so their curves differ only by what `prepare` and `precision` change."""
+    validation.positive_int("steps", steps)
+    if prepare is not None and not callable(prepare):
+        raise ValueError(f"prepare={prepare!r} must be a function of the model, or None")
+    validation.one_of("precision", precision, PRECISIONS)
+    model, optimizer, data = _tiny_run(prepare, seed, lr, batch_size, block_size, device)
+    return run_steps(model, optimizer, data, steps, device, precision)
 
 
 def train_losses(quant_config: QConfig | None, steps: int = 100, seed: int = 0, lr: float = 3e-3,
@@ -362,7 +388,7 @@ def step_times(configs: dict, batch_size: int = 8, block_size: int = 64, device:
     validation.positive_int("block_size", block_size)
     steps = {}
     for name, config in configs.items():
-        model, optimizer, data = _tiny_run(config, 0, 3e-3, batch_size, block_size, device)
+        model, optimizer, data = _tiny_run(_prepare(config), 0, 3e-3, batch_size, block_size, device)
         x, y = (t.to(device) for t in data.get_batch(0))  # (B, T) each
         steps[name] = functools.partial(_train_step, model, optimizer, x, y)
     return timing.interleave(steps, device=device, warmup=2, min_rounds=7, budget_s=budget_s, min_round_s=0.05)

@@ -19,7 +19,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("processes", ("llmlab.dist", "llmlab.dist.launcher", "llmlab.dist.grid", "llmlab.dist.collectives",
                    "llmlab.dist.commlog", "llmlab.dist.torchrun", "llmlab.dist._worker")),
     ("techniques", ("llmlab.parallel", "llmlab.memory", "llmlab.moe", "llmlab.moe_dispatch", "llmlab.moe_bench",
-                    "llmlab.moe_balance", "llmlab.lora", "llmlab.quant", "llmlab.ptq", "llmlab.nf4",
+                    "llmlab.moe_balance", "llmlab.lora", "llmlab.quant", "llmlab.ptq", "llmlab.nf4", "llmlab.fp8",
                     "llmlab.precision", "llmlab.accumulate", "llmlab.sparsity", "llmlab.kernels",
                     "llmlab.dist.cost", "llmlab.dist.overlap", "llmlab.dist.allreduce_bench", "llmlab.dist.trace")),
     ("composed", ("llmlab.train", "llmlab.diagnose", "llmlab.hardware", "llmlab.monitor")),

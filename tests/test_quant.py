@@ -19,6 +19,7 @@ from llmlab.quant import (
     held_out_loss,
     quantize_model,
     step_times,
+    tiny_losses,
     train_losses,
 )
 
@@ -242,6 +243,8 @@ def test_step_times_interleaves_every_configuration_from_one_start(one_thread):
     (lambda: MinMaxQuantizer(per_channel=True, ch_axis=2)(torch.ones(3, 4)), r"ch_axis=2 is out of range"),
     (lambda: MinMaxQuantizer().qparams(), r"has not observed any input yet"),
     (lambda: train_losses(None, steps=0), r"steps=0 must be a positive int"),
+    (lambda: tiny_losses("qat"), r"prepare='qat' must be a function of the model, or None"),
+    (lambda: tiny_losses(None, precision="fp8"), r"precision='fp8' must be one of 'fp32', 'bf16', 'fp16'"),
 ])
 def test_bad_arguments_are_refused(make, match):
     with pytest.raises((ValueError, RuntimeError), match=match):
