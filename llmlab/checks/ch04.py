@@ -457,7 +457,7 @@ def micro_batch_mse(model, batch):
     return torch.nn.functional.mse_loss(model(x), y)  # the mean over the micro-batch
 
 
-_BUCKETS_MB = {"one bucket": 25.0, "a bucket per tensor": 1e-4}  # 1e-4 MB = 104 B: under every weight's 112+ B
+_BUCKETS_MB = {"one bucket": 25.0, "a bucket per tensor": 1e-4}  # 1e-4 MB ≈ 105 B: no two neighbouring tensors fit
 
 
 def _dp_cases(rng: random.Random) -> list[dict]:
