@@ -193,8 +193,7 @@ def _blockwise_gemm_applies(a_q: torch.Tensor, a_granularity: str, b_q: torch.Te
     if (a_granularity, b_granularity) != ("tile", "block") or not a_q.dtype == b_q.dtype == E4M3.dtype:
         return False
     (m, k), n = a_q.shape, b_q.shape[0]
-    # runtime has no capability helper: the one CUDA query here, on a CUDA tensor's device only
-    return torch.cuda.get_device_capability(a_q.device)[0] == 9 and m % 128 == 0 and n % 128 == 0 and k % 512 == 0
+    return runtime.capability(a_q.device)[0] == 9 and m % 128 == 0 and n % 128 == 0 and k % 512 == 0
 
 
 def _blockwise_operands(a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor):

@@ -70,6 +70,7 @@ __all__ = [
     "set_device",
     "device_count",
     "device_properties",
+    "capability",
     "synchronize",
     "memory_allocated",
     "max_memory_allocated",
@@ -331,6 +332,15 @@ def device_properties(device=None) -> DeviceProperties:
                                 int(getattr(props, "L2_cache_size", 0)))
     name = cpu_name() + (f" ({SMOKE_GPU_NAME})" if tier().smoke else "")
     return DeviceProperties(name, int(psutil.virtual_memory().total), os.cpu_count() or 1, cpu_cache_bytes())
+
+
+def capability(device=None) -> tuple[int, int]:
+    """The compute capability (major, minor) of `device` (default: this tier's) on CUDA, (0, 0) elsewhere: what a
+    kernel path for one GPU generation (FP8 on Hopper, 9.x) checks."""
+    import torch  # torch loads in seconds: `import llmlab` stays light
+
+    d = _resolve(device)
+    return tuple(torch.cuda.get_device_capability(d)) if d.type == "cuda" else (0, 0)
 
 
 def cpu_name() -> str:
