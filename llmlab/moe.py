@@ -39,7 +39,9 @@ loss), Zoph et al. 2022 (ST-MoE: the router z-loss). For T tokens x (T, C) and E
    state_dict) is added to the scores for the *choice* of the top k only; the gates are the chosen experts'
    unbiased scores, renormalised. After each optimizer step `update_bias()` moves every bᵢ by γ·sign(mean load −
    loadᵢ) (γ = `bias_rate`, DeepSeek-V3's 1e-3), the loads summed over the step's forwards: an overloaded
-   expert's bias falls, so fewer tokens choose it next step, and no gradient reaches the router for it.
+   expert's bias falls, so fewer tokens choose it next step, and no gradient reaches the router for it. Keep
+   the layer's weights in float32 (bf16 through autocast): `.to(torch.bfloat16)` would make the bias bf16 too,
+   whose spacing (2⁻⁹ ≈ 2e-3 at 0.25, 4e-3 at 0.5) rounds γ = 1e-3 steps to double or to nothing.
    `balance="aux-loss"` (the default) adds step 2's balance loss to aux_loss, `"none"` neither (the z-loss
    stays: it keeps the logits small and balances nothing). `scores="sigmoid"` scores expert i by sigmoid(logitᵢ)
    (DeepSeek-V3 eq. 15) instead of the softmax; the gates are then the chosen scores normalised over the k (for

@@ -247,9 +247,9 @@ def test_the_bias_balances_a_skewed_router_step_by_step(one_thread):
     seed = _fresh_seed()
     torch.manual_seed(seed)
     E, C = 8, 6
-    layer = MoELayer(C, 4, E, k=2, capacity_factor=None, balance="bias", bias_rate=0.005)
+    layer = MoELayer(C, 4, E, k=2, capacity_factor=None, balance="bias", scores="sigmoid", bias_rate=0.005)
     with torch.no_grad():  # a fixed router that prefers experts 0 and 1 for most tokens
-        layer.gate.weight.normal_().mul_(0.3)
+        layer.gate.weight.normal_().mul_(0.1)
         layer.gate.weight[:2] += 1.0 / C
     offset = torch.ones(C)  # every token shares this direction, as a transformer's hidden states do
     spread = []  # max load / mean load − 1 (Wang et al. 2024's MaxVio) per step, on fresh tokens
@@ -259,9 +259,10 @@ def test_the_bias_balances_a_skewed_router_step_by_step(one_thread):
             load = layer.update_bias().double()
             spread.append((load.max() / load.mean() - 1).item())
     last = sum(spread[-20:]) / 20
-    # 1,024 assignments: at first experts 0 and 1 take more than twice their share; at the end the loads are even
-    # up to the bias's ±γ oscillation (a sign rule never stops moving) and the sampling noise of fresh tokens
-    assert spread[0] > 1.0 and last < 0.45 and last < spread[0] / 3, (seed, spread[0], last)
+    # 1,024 assignments: at first experts 0 and 1 take most of them (MaxVio 1.65–3 over 300 seeds); at the end the
+    # loads are even up to the bias's ±γ oscillation (a sign rule never stops moving) and the sampling noise of
+    # fresh tokens (last 20 steps: 0.19 median, 0.29 the worst of 300 seeds). The softmax settles slower (0.55).
+    assert spread[0] > 1.5 and last < 0.4 and last < spread[0] / 4, (seed, spread[0], last)
 
 
 @pytest.mark.parametrize("scores,capacity_factor", [("softmax", None), ("sigmoid", None), ("softmax", 0.7),
