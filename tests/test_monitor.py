@@ -240,7 +240,13 @@ def test_interleaved_mfu_times_the_peak_and_the_function_in_the_same_rounds(one_
     x = torch.randn(64, 64)  # (64, 64)
     peak, rate = monitor_module.interleaved_mfu(lambda: x @ x, flops=2 * 64**3, seconds=0.2)
     assert peak.flops > 0 and "interleaved" in peak.source and "rounds" in peak.source
-    assert 0 < rate.value < 2 and len(rate.comparison.ratios) >= 5  # a small matmul: at most about the peak's rate
+    assert rate.value > 0 and len(rate.comparison.ratios) >= 5
+    # a small matmul runs at most about the peak's rate, where the rounds agree: on a busy machine (a make test run
+    # beside other work measured ratios from 0.7 to 11 in one call) the figure is not conclusive and says so
+    if rate.comparison.conclusive:
+        assert rate.value < 2, rate
+    else:
+        assert "not conclusive" in rate.comparison.note(), rate.comparison.note()
     with pytest.raises(ValueError, match="flops="):
         monitor_module.interleaved_mfu(lambda: None, flops=0)
     with pytest.raises(ValueError, match="fn="):
