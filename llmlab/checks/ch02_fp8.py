@@ -182,7 +182,8 @@ def _check_layout(q, s, want_s, x, rows: int, what: str) -> None:
             raise Mismatch(f"{what}: scales of shape {tuple(s.shape)}, expected {tiles}: ⌈M/{rows}⌉ × ⌈K/{BLOCK}⌉ "
                            "tiles — the last, short tile has a scale too", mistake="last tile",
                            hint=_HINTS["last tile"])
-        blocks = " (one per 1×128 tile; rows=128 asks one per 128×128 block)" if rows > 1 and s.shape[0] == m else ""
+        per_row = rows > 1 and s.dim() == 2 and s.shape[0] == m
+        blocks = " (one per 1×128 tile; rows=128 asks one per 128×128 block)" if per_row else ""
         raise Mismatch(f"{what}: scales of shape {tuple(s.shape)}, expected {tiles}{blocks}")
     if s.dtype != torch.float32:
         raise Mismatch(f"{what}: scales of dtype {s.dtype}, expected torch.float32")
@@ -193,6 +194,8 @@ def _scale_diagnosis(s: torch.Tensor, want: torch.Tensor, x: torch.Tensor, nonze
     got, amax = s.double()[nonzero], (want.double() * 448.0)[nonzero]  # the tiles' amax (×448 exact in float64)
     if not bool(got.isfinite().all()):
         return "", None
+    # a diagnosis, not the verdict: a formula the learner used matches to fp32 rounding (~1e-7), another is off by
+    # a factor (448, 1/amax², 128) or by the one-ulp difference the last test names
     close = lambda value: bool(torch.allclose(got, value, rtol=1e-5, atol=0))  # noqa: E731
     known = [(torch.full_like(got, x.abs().max().item() / 448.0), "every tile's scale is the whole tensor's amax/448: "
               "one scale per tensor, so an outlier sets it for all", "per tensor"),
@@ -254,9 +257,9 @@ def _quantize_cases(rng: random.Random) -> list[tuple[int, int, int]]:
 
 # --- fp8_matmul -------------------------------------------------------------------------------------------------
 
-def _product_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _product_bound(sums: torch.Tensor, k: int) -> torch.Tensor:
     """How far an fp32 computation of y = â·b̂ᵀ may lie from the float64 product of llmlab's dequantized operands
-    a (M, K), b (N, K): (M, N).
+    â (M, K), b̂ (N, K), given sums = Σ_k |â_k||b̂_k| (M, N): (M, N).
 
     Each term â_k·b̂_k meets at most K + 5 fp32 roundings of relative 2⁻²⁴: two where the learner dequantizes
     (q·s, for each operand; a product of two E4M3 codes is exact), or two where a partial sum is scaled by s_x and
@@ -266,8 +269,7 @@ def _product_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     cases of 300 fresh runs, the fp32 answers (dequantize then multiply, and DeepSeek-V3's order) came within 0.39
     of the bound, while bf16 operands and sums (relative 2⁻⁹ per rounding) exceeded it 36× or more on some element
     of every case with K > 1."""
-    k = a.shape[1]
-    return 1.01 * (k + 5) * U32 * (a.abs() @ b.abs().t())  # (M, N)
+    return 1.01 * (k + 5) * U32 * sums  # (M, N)
 
 
 def _check_matmul(fp8_matmul, x: torch.Tensor, w: torch.Tensor, planted: str) -> None:
@@ -288,7 +290,8 @@ def _check_matmul(fp8_matmul, x: torch.Tensor, w: torch.Tensor, planted: str) ->
                        mistake="accumulate", hint=_HINTS["accumulate"])
     if y.dtype != torch.float32:
         raise Mismatch(f"{what}: y has dtype {y.dtype}, expected torch.float32")
-    got, bound = y.double(), _product_bound(a, b)  # (M, N), (M, N)
+    sums = a.abs() @ b.abs().t()  # (M, N): Σ_k |â_k||b̂_k|, what every rounding error is relative to
+    got, bound = y.double(), _product_bound(sums, k)  # (M, N), (M, N)
     err = (got - want).abs()  # (M, N); NaN where y is NaN
     bad = ~(err <= bound)
     if not bool(bad.any()):
@@ -299,14 +302,17 @@ def _check_matmul(fp8_matmul, x: torch.Tensor, w: torch.Tensor, planted: str) ->
     codes = x_q.double() @ w_q.double().t()  # (M, N): the codes' product, no scales
     divided = (x_q.double() / _per_element(x_s.double(), (m, k), 1)) @ \
         (w_q.double() / _per_element(w_s.double(), (n, k), BLOCK)).t()  # (M, N): the scales divided out
-    close = lambda value: bool(torch.allclose(got, value, rtol=1e-3, atol=1e-6 * value.abs().max().item()))  # noqa
+    # a diagnosis: the scales left out or divided change y by factors of 10⁻⁸ … 10⁸, far beyond 1e-3
+    close = lambda value: bool(torch.allclose(got, value, rtol=1e-3, atol=1e-6 * value.abs().max().item()))  # noqa: E731
     if close(codes):
         raise Mismatch(f"{head}: y is the product of the codes alone; multiply them by their scales",
                        mistake="scales", hint=_HINTS["scales"])
     if close(divided):
         raise Mismatch(f"{head}: y is the product of the codes divided by their scales; a code times its scale is "
                        "the value", mistake="scales", hint=_HINTS["scales"])
-    relative = (err / (a.abs() @ b.abs().t()))[bad]  # the error against Σ|â||b̂|, where it is too large
+    relative = (err / sums)[bad]  # the error against Σ|â||b̂|, where it is too large
+    # 16-bit arithmetic rounds by 2⁻⁹ (bf16) or 2⁻¹¹ (fp16) of what it holds: its errors stay below 2⁻⁴ of Σ|â||b̂|
+    # at these K, while a wrong scale or tile is off by the size of the values themselves
     if bool(relative.isfinite().all()) and relative.max().item() <= 2.0**-4:
         raise Mismatch(f"{head}: errors up to {relative.max().item():.2g} of Σ|a||b|, those of 16-bit arithmetic "
                        f"(fp32's bound here: {(k + 5) * U32:.2g}): dequantize and sum in fp32",
