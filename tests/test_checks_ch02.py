@@ -11,6 +11,7 @@ import torch.distributed as td
 import torch.nn.functional as F
 from check_answers import Mistake, Reference
 from grading import fails, not_attempted, passes
+from test_checks_ch02_fp8 import FP8_ANSWERS
 
 from llmlab.checks import ch02, ch02_ddp
 from llmlab.parallel import schedules
@@ -666,3 +667,4 @@ INTERLEAVED_ANSWERS = [
             hint=INTERLEAVED_HINT),
 ]
 ANSWERS += INTERLEAVED_ANSWERS
+ANSWERS += FP8_ANSWERS  # 2.7's, in tests/test_checks_ch02_fp8.py

@@ -1,7 +1,7 @@
 """Checks for chapter 2's exercises (solutions/02_parallelism.ipynb): DDP's gradient averaging and Megatron's
 column-parallel linear layer (forward and backward); fp16 training with a dynamic loss scaler (2.3), the 1F1B
-schedule (2.4), bucketed DDP (2.5) and the interleaved 1F1B schedule (2.6) have modules of their own, ch02_precision,
-ch02_pipeline, ch02_ddp and ch02_interleaved, imported here.
+schedule (2.4), bucketed DDP (2.5), the interleaved 1F1B schedule (2.6) and FP8 with tile scales (2.7) have modules of
+their own, ch02_precision, ch02_pipeline, ch02_ddp, ch02_interleaved and ch02_fp8, imported here.
 
     from llmlab.checks import ch02 as check
     check.average_gradients(average_gradients)            # 2.1, on 4 ranks
@@ -10,6 +10,7 @@ ch02_pipeline, ch02_ddp and ch02_interleaved, imported here.
     check.pipeline_1f1b(one_f_one_b, step_time)           # 2.4, against llmlab.parallel.schedules
     check.bucketed_ddp(BucketedDDP)                       # 2.5, on 4 ranks, against llmlab.parallel.ddp
     check.interleaved_1f1b(interleaved_1f1b)              # 2.6, simulated, against llmlab.parallel.schedules
+    check.fp8_quantization(saturating_cast, quantize_tiles, fp8_matmul)  # 2.7, against llmlab.fp8
 
 The multi-rank checks (2.1, 2.2, 2.5) run the learner's function — defined in a notebook, it travels to the ranks by
 value with cloudpickle — on the ranks of one gloo `llmlab.dist.Cluster(4)`, started on first use, reused by every later
@@ -34,12 +35,13 @@ import torch.distributed as td
 from llmlab import checks
 from llmlab.checks import Hint, Mismatch, assert_close, check, fresh_rng
 from llmlab.checks.ch02_ddp import PARTITIONS, TIMEOUT_S, WORLD_SIZE, bucketed_ddp, cluster, my_group
+from llmlab.checks.ch02_fp8 import fp8_quantization
 from llmlab.checks.ch02_interleaved import interleaved_1f1b
 from llmlab.checks.ch02_pipeline import pipeline_1f1b
 from llmlab.checks.ch02_precision import fp16_training
 
 __all__ = ["average_gradients", "column_parallel_linear", "fp16_training", "pipeline_1f1b", "bucketed_ddp",
-           "interleaved_1f1b", "cluster", "close_cluster", "WORLD_SIZE", "PARTITIONS"]
+           "interleaved_1f1b", "fp8_quantization", "cluster", "close_cluster", "WORLD_SIZE", "PARTITIONS"]
 
 close_cluster = checks.close_clusters
 
