@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from check_answers import Mistake, Reference
 from grading import fails, not_attempted
 
-from llmlab.checks import ch08, ch08_lsq, ch08_moe
+from llmlab.checks import ch08, ch08_lsq, ch08_moe, ch08_nf4
 from llmlab.moe import Routing, route
+from llmlab.nf4 import Blockwise4bit, DoubleQuantized, int4_levels, nf4_levels, unpack_4bit
 
 
 @pytest.fixture(autouse=True)
@@ -310,6 +311,90 @@ def test_lsq_reference_is_pytorchs_learnable_fake_quantize():
     torch.testing.assert_close(s_grad, s2.grad, rtol=1e-5, atol=1e-6)  # the fp32 sum, in another order
 
 
+# --- 8.4: NF4 with double quantization ---------------------------------------------------------------------------
+
+def nf4_quantize(w, absmax="block", levels="nf4", nearest="value", pack="high first", double="centred",
+                 ragged="pad", zero="safe"):
+    """The solution notebook's quantizer, with a switch per mistake."""
+    table = {"nf4": nf4_levels(), "int4": int4_levels(), "linspace": torch.linspace(-1, 1, 16)}[levels]
+    flat = w.detach().reshape(-1).float()  # (n,)
+    n = flat.numel()
+    if ragged == "drop":
+        flat = flat[:n // 64 * 64]
+        n = flat.numel()
+    size = n if absmax == "tensor" else 64
+    blocks = (flat.view(-1, size) if ragged == "view" else F.pad(flat, (0, -n % size)).view(-1, size))  # (nb, size)
+    c = blocks.abs().amax(dim=1)  # (nb,)
+    x = blocks / (torch.where(c > 0, c, torch.ones_like(c)) if zero == "safe" else c)[:, None]  # (nb, size)
+    x = x.view(-1)[:n]  # (n,)
+    codes = {"value": lambda: torch.bucketize(x, (table[1:] + table[:-1]) / 2),
+             "index": lambda: ((x + 1) / 2 * 15).round().clamp(0, 15),
+             "above": lambda: torch.bucketize(x, table).clamp(max=15)}[nearest]().to(torch.uint8)  # (n,)
+    pairs = F.pad(codes, (0, n % 2)).view(-1, 2)  # (⌈n/2⌉, 2)
+    high, low = (0, 1) if pack != "low first" else (1, 0)
+    packed = codes if pack == "unpacked" else (pairs[:, high] << 4) | pairs[:, low]  # (⌈n/2⌉,)
+    if absmax == "tensor":
+        c = c.expand(-(-n // 64))  # (nb,): every block's constant the tensor's absmax
+    if double == "none":
+        return Blockwise4bit(packed, c, table, w.shape, 64)
+    mean = c.mean() if double != "zero mean" else torch.zeros(())
+    centred = c - mean if double == "centred" else c
+    groups = F.pad(centred, (0, -c.numel() % 256)).view(-1, 256)  # (n_groups, 256)
+    scale = groups.abs().amax(dim=1) / 448  # (n_groups,)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    fp8 = (groups / scale[:, None]).view(-1)[:c.numel()].to(torch.float8_e4m3fn)  # (nb,)
+    return Blockwise4bit(packed, DoubleQuantized(fp8, scale, mean.reshape(1), 256), table, w.shape, 64)
+
+
+def nf4_dequantize(q, mean=True):
+    """The solution notebook's dequantizer (`mean=False`: the mean not added back)."""
+    a, n = q.absmax, q.numel
+    c = a.codes.float() * a.scale.repeat_interleave(256)[:a.codes.numel()] + (a.mean if mean else 0)  # (nb,)
+    codes = torch.stack([q.codes >> 4, q.codes & 15], dim=1).view(-1)[:n]  # (n,)
+    values = F.pad(q.levels[codes.long()], (0, -n % 64)).view(-1, 64)  # (nb, 64)
+    return (values * c[:, None]).view(-1)[:n].view(q.shape)
+
+
+def nearest_quantize(w):
+    """An independent quantizer: the nearest level by distance (argmin), every code looked up per weight."""
+    levels = nf4_levels()  # (16,)
+    flat = w.detach().float().flatten()  # (n,)
+    n, blocks = flat.numel(), -(-flat.numel() // 64)
+    block_of = torch.arange(n) // 64  # (n,)
+    c = torch.zeros(blocks).scatter_reduce(0, block_of, flat.abs(), "amax")  # (nb,)
+    x = flat / c.clamp_min(torch.finfo(torch.float32).tiny)[block_of]  # (n,): a zero block gives 0 / tiny = 0
+    codes = (x[:, None] - levels).abs().argmin(dim=1).to(torch.uint8)  # (n,)
+    codes = torch.cat([codes, codes.new_zeros(n % 2)])
+    packed = codes[0::2] * 16 + codes[1::2]  # (⌈n/2⌉,)
+    mean = c.mean()
+    group_of = torch.arange(blocks) // 256  # (nb,)
+    scale = torch.zeros(-(-blocks // 256)).scatter_reduce(0, group_of, (c - mean).abs(), "amax") / 448
+    scale[scale == 0] = 1
+    fp8 = ((c - mean) / scale[group_of]).to(torch.float8_e4m3fn)  # (nb,)
+    return Blockwise4bit(packed, DoubleQuantized(fp8, scale, mean.reshape(1), 256), levels, w.shape, 64)
+
+
+def gather_dequantize(q):
+    """An independent dequantizer: each weight's constant gathered, the codes unpacked by llmlab."""
+    a, n = q.absmax, q.numel
+    c = a.dequantize()  # (nb,)
+    return (q.levels[unpack_4bit(q.codes, n).long()] * c[torch.arange(n) // 64]).view(q.shape)
+
+
+def test_nf4_weights_keep_off_the_midpoints_and_have_their_zero_blocks():
+    levels = nf4_levels()
+    for seed in range(20):
+        w = ch08.nf4_weight((33, 31), torch.bfloat16, zero_blocks=2, outliers=3, seed=seed)
+        x = ch08_nf4._normalized(w.reshape(-1).float(), 64)
+        assert ((x[:, None] - (levels[1:] + levels[:-1]) / 2).abs() >= ch08.MARGIN).all()
+        assert (ch08_nf4._constants(w) == 0).sum() == 2 and w.dtype == torch.bfloat16
+
+
+def test_nf4_is_not_attempted_with_either_part_unwritten(capsys):
+    not_attempted(ch08.nf4, unwritten, nf4_dequantize, capsys=capsys)
+    not_attempted(ch08.nf4, nf4_quantize, unwritten, capsys=capsys)
+
+
 # --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
 
 ANSWERS = [
@@ -407,6 +492,36 @@ ANSWERS = [
             match="the step comes from v's mean", hint="magnitude"),
     Mistake(ch08.lsq, lsq_function(), lambda v, q_p, ch_axis=None: lsq_init_step(v, q_p, ch_axis, eps=False),
             match="the zero row's step is 0", hint="eps"),
+
+    Reference(ch08.nf4, nf4_quantize, nf4_dequantize),
+    Reference(ch08.nf4, nearest_quantize, gather_dequantize),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, absmax="tensor"), nf4_dequantize,
+            match="absmax is taken over the whole tensor", hint="its own largest magnitude"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, levels="int4"), nf4_dequantize, match="levels = .* expected NF4's 16",
+            hint="not evenly spaced"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, levels="linspace"), nf4_dequantize,
+            match="levels = .* expected NF4's 16", hint="not evenly spaced"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, nearest="index"), nf4_dequantize,
+            match="round\\(\\(x \\+ 1\\)/2 · 15\\)", hint="nearest to it in value"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, nearest="above"), nf4_dequantize, match="first level at or above",
+            hint="midpoints"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, pack="low first"), nf4_dequantize, match="swapped", hint="high nibble"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, pack="unpacked"), nf4_dequantize, match="one per weight",
+            hint="two codes share a uint8"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, ragged="drop"), nf4_dequantize, match="ragged block, are dropped",
+            hint="pad the flattened weight"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, ragged="view"), nf4_dequantize,
+            match="raised RuntimeError .* pad the last block", hint="pad the flattened weight"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, zero="nan"), nf4_dequantize, match="all-zero block: its absmax is 0",
+            hint="divide such a block by 1"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, double="none"), nf4_dequantize, match="double-quantize them",
+            hint="FP8 E4M3"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, double="uncentred"), nf4_dequantize,
+            match="mean is not subtracted first", hint="both signs"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, double="zero mean"), nf4_dequantize,
+            match="absmax.mean = 0, expected the constants' mean", hint="both signs"),
+    Mistake(ch08.nf4, nf4_quantize, lambda q: nf4_dequantize(q, mean=False), match="mean is not added back",
+            hint="adds it back"),
 ]
 
 
