@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from check_answers import Mistake, Reference
 from grading import fails, not_attempted
 
-from llmlab.checks import ch08, ch08_lsq, ch08_moe, ch08_nf4
+from llmlab.checks import ch08, ch08_balance, ch08_lsq, ch08_moe, ch08_nf4
 from llmlab.moe import Routing, route
 from llmlab.nf4 import Blockwise4bit, DoubleQuantized, int4_levels, nf4_levels, unpack_4bit
 
@@ -395,6 +395,58 @@ def test_nf4_is_not_attempted_with_either_part_unwritten(capsys):
     not_attempted(ch08.nf4, nf4_quantize, unwritten, capsys=capsys)
 
 
+# --- 8.5: auxiliary-loss-free balancing ----------------------------------------------------------------------------
+
+def bias_route(logits, bias, k, choose="biased", gates="unbiased", scores="sigmoid", order="topk", detach=False):
+    """The solution notebook's router, with a switch per mistake."""
+    logits = logits.detach() if detach else logits
+    score = logits.float().sigmoid() if scores == "sigmoid" else logits.float().softmax(-1)  # (T, E)
+    expert = (score + bias if choose == "biased" else score).topk(k, dim=-1).indices  # (T, k)
+    expert = expert.flip(-1) if order == "reversed" else expert
+    top = (score + bias if gates == "biased" else score).gather(1, expert)  # (T, k)
+    return expert, top if gates == "raw" else top / top.sum(-1, keepdim=True)
+
+
+def update_bias(bias, expert, rate, sign=1, by="sign", count="assignments", at_mean="still"):
+    """The solution notebook's update, with a switch per mistake."""
+    chosen = expert.flatten() if count == "assignments" else expert[:, 0]
+    load = torch.bincount(chosen, minlength=bias.numel())  # (E,)
+    gap = load.float().mean() - load  # (E,)
+    step = {"sign": torch.sign(gap), "load": gap}[by] if at_mean == "still" else torch.where(gap > 0, 1.0, -1.0)
+    return bias + sign * rate * step
+
+
+def sorted_route(logits, bias, k):
+    """An independent router: the biased scores sorted, gates as sigmoid's normalised shares in float64."""
+    score = torch.sigmoid(logits.float())  # (T, E)
+    expert = torch.argsort(score + bias, dim=-1, descending=True, stable=True)[:, :k]  # (T, k)
+    top = torch.take_along_dim(score, expert, dim=1).double()  # (T, k)
+    return expert, (top / top.sum(-1, keepdim=True)).float()
+
+
+def one_hot_update(bias, expert, rate):
+    """An independent update: the loads from one-hot counts, the sign from comparisons in integers, in float64."""
+    E = bias.numel()
+    load = F.one_hot(expert, E).sum(dim=(0, 1))  # (E,)
+    total = int(load.sum())
+    sign = (E * load < total).double() - (E * load > total).double()  # (E,)
+    return (bias.double() + rate * sign).float()
+
+
+def test_balance_tokens_keep_the_choices_apart():
+    gen = torch.Generator().manual_seed(0)
+    layer = ch08_balance._layer(7, 3, 1e-3, gen)
+    x = ch08_balance._tokens(layer, 201, gen, 3.0)
+    with torch.no_grad():
+        top = (layer.gate(x).sigmoid() + layer.expert_bias).topk(4, dim=-1).values
+    assert ((top[:, :-1] - top[:, 1:]) >= ch08.GAP).all()
+
+
+def test_bias_balance_is_not_attempted_with_either_part_unwritten(capsys):
+    not_attempted(ch08.bias_balance, unwritten, update_bias, capsys=capsys)
+    not_attempted(ch08.bias_balance, bias_route, unwritten, capsys=capsys)
+
+
 # --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
 
 ANSWERS = [
@@ -522,6 +574,29 @@ ANSWERS = [
             match="absmax.mean = 0, expected the constants' mean", hint="both signs"),
     Mistake(ch08.nf4, nf4_quantize, lambda q: nf4_dequantize(q, mean=False), match="mean is not added back",
             hint="adds it back"),
+
+    Reference(ch08.bias_balance, bias_route, update_bias),
+    Reference(ch08.bias_balance, sorted_route, one_hot_update),
+    Mistake(ch08.bias_balance, lambda x, b, k: bias_route(x, b, k, gates="biased"), update_bias,
+            match="the gates include the bias", hint="without the bias"),
+    Mistake(ch08.bias_balance, lambda x, b, k: bias_route(x, b, k, choose="unbiased"), update_bias,
+            match="top k of the scores alone", hint="only decides which k experts"),
+    Mistake(ch08.bias_balance, lambda x, b, k: bias_route(x, b, k, gates="raw"), update_bias,
+            match="raw sigmoid scores: renormalise", hint="sum to 1"),
+    Mistake(ch08.bias_balance, lambda x, b, k: bias_route(x, b, k, scores="softmax"), update_bias,
+            match="softmax over the experts|top k of sigmoid", hint="sigmoid"),
+    Mistake(ch08.bias_balance, lambda x, b, k: bias_route(x, b, k, order="reversed"), update_bias,
+            match="in another order", hint="topk's order"),
+    Mistake(ch08.bias_balance, lambda x, b, k: bias_route(x, b, k, detach=True), update_bias,
+            match="no gradient w.r.t. the logits", hint="autograd graph"),
+    Mistake(ch08.bias_balance, bias_route, lambda b, e, r: update_bias(b, e, r, sign=-1), match="sign is flipped",
+            hint="down for an expert above the mean"),
+    Mistake(ch08.bias_balance, bias_route, lambda b, e, r: update_bias(b, e, r, by="load"),
+            match="moves by γ·\\(mean load − loadᵢ\\), the load itself", hint="moves by exactly γ"),
+    Mistake(ch08.bias_balance, bias_route, lambda b, e, r: update_bias(b, e, r, count="tokens"),
+            match="count each token once", hint="every assignment"),
+    Mistake(ch08.bias_balance, bias_route, lambda b, e, r: update_bias(b, e, r, at_mean="moves"),
+            match="load equals the mean load moved", hint="not at all for one at the mean"),
 ]
 
 

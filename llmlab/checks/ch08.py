@@ -8,9 +8,11 @@
     check.bias_balance(bias_route, update_bias)  # 8.5 aux-loss-free balancing (ch08_balance, llmlab.moe)
 """
 
+from llmlab.checks.ch08_balance import GAP, bias_balance
 from llmlab.checks.ch08_lora import lora_layer
 from llmlab.checks.ch08_lsq import lsq, lsq_inputs
 from llmlab.checks.ch08_moe import FIELDS, top2_router
 from llmlab.checks.ch08_nf4 import MARGIN, nf4, nf4_weight
 
-__all__ = ["lora_layer", "top2_router", "FIELDS", "lsq", "lsq_inputs", "nf4", "nf4_weight", "MARGIN"]
+__all__ = ["lora_layer", "top2_router", "FIELDS", "lsq", "lsq_inputs", "nf4", "nf4_weight", "MARGIN",
+           "bias_balance", "GAP"]
