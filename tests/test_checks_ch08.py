@@ -2,9 +2,10 @@
 as not attempted, and fails a plausible wrong answer with a message naming the mistake and the hint.
 
 Each answer is the solution notebook's, with switches for the mistakes a learner makes (`lora()`, `top2_route`,
-`lsq_function()` with no arguments are the solutions); a second, independent right answer (A Gaussian and the
-update folded into the weight on the fly; slots from GShard's one-hot cumsum; the paper's clipping line) must pass
-too."""
+`lsq_function()`, `nf4_quantize`, `aux_free_moe()` with no arguments are the solutions); a second, independent right
+answer (A Gaussian and the update folded into the weight on the fly; slots from GShard's one-hot cumsum; the paper's
+clipping line; the nearest NF4 level by argmin and constants gathered per weight; experts run on boolean masks and
+the bias's sign from integer comparisons) must pass too."""
 
 import copy
 import math
@@ -19,7 +20,7 @@ from check_answers import Mistake, Reference
 from grading import fails, not_attempted
 
 from llmlab.checks import ch08, ch08_balance, ch08_lsq, ch08_moe, ch08_nf4
-from llmlab.moe import Routing, route
+from llmlab.moe import Expert, Routing, route
 from llmlab.nf4 import Blockwise4bit, DoubleQuantized, int4_levels, nf4_levels, unpack_4bit
 
 
@@ -395,42 +396,92 @@ def test_nf4_is_not_attempted_with_either_part_unwritten(capsys):
     not_attempted(ch08.nf4, nf4_quantize, unwritten, capsys=capsys)
 
 
-# --- 8.5: auxiliary-loss-free balancing ----------------------------------------------------------------------------
+# --- 8.5: an MoE layer balanced by an expert bias --------------------------------------------------------------
 
-def bias_route(logits, bias, k, choose="biased", gates="unbiased", scores="sigmoid", order="topk", detach=False):
-    """The solution notebook's router, with a switch per mistake."""
-    logits = logits.detach() if detach else logits
-    score = logits.float().sigmoid() if scores == "sigmoid" else logits.float().softmax(-1)  # (T, E)
-    expert = (score + bias if choose == "biased" else score).topk(k, dim=-1).indices  # (T, k)
-    expert = expert.flip(-1) if order == "reversed" else expert
-    top = (score + bias if gates == "biased" else score).gather(1, expert)  # (T, k)
-    return expert, top if gates == "raw" else top / top.sum(-1, keepdim=True)
+def aux_free_moe(choose="biased", gates="unbiased", scores="sigmoid", order="topk", detach=False, buffer=True,
+                 sign=1, by="sign", count="assignments", at_mean="still", in_eval=False, reset=True):
+    """The solution notebook's layer, with a switch per mistake."""
+
+    class AuxFreeMoE(nn.Module):
+        def __init__(self, dim, hidden, num_experts, k, rate):
+            super().__init__()
+            self.gate = nn.Linear(dim, num_experts, bias=False)
+            self.experts = nn.ModuleList(Expert(dim, hidden) for _ in range(num_experts))
+            self.k, self.rate = k, rate
+            if buffer:
+                self.register_buffer("expert_bias", torch.zeros(num_experts))
+            else:
+                self.expert_bias = nn.Parameter(torch.zeros(num_experts))
+            self.register_buffer("step_load", torch.zeros(num_experts, dtype=torch.long), persistent=False)
+
+        def route(self, x):
+            logits = self.gate(x).float()  # (T, E)
+            logits = logits.detach() if detach else logits
+            score = logits.sigmoid() if scores == "sigmoid" else logits.softmax(-1)  # (T, E)
+            expert = (score + self.expert_bias if choose == "biased" else score).topk(self.k, dim=-1).indices
+            expert = expert.flip(-1) if order == "reversed" else expert  # (T, k)
+            top = (score + self.expert_bias if gates == "biased" else score).gather(1, expert)  # (T, k)
+            return expert, top if gates == "raw" else top / top.sum(-1, keepdim=True)
+
+        def forward(self, x):
+            tokens = x.reshape(-1, x.shape[-1])  # (T, C)
+            expert, gate = self.route(tokens)  # (T, k) each
+            y = torch.zeros_like(tokens)  # (T, C)
+            for e, mlp in enumerate(self.experts):
+                token, j = (expert == e).nonzero(as_tuple=True)  # the tokens routed to e, and which choice
+                y = y.index_add(0, token, mlp(tokens[token]) * gate[token, j, None].to(x.dtype))
+            if self.training or in_eval:
+                chosen = expert.flatten() if count == "assignments" else expert[:, 0]
+                self.step_load += torch.bincount(chosen, minlength=self.step_load.numel())
+            return y.view(x.shape)
+
+        @torch.no_grad()
+        def update_bias(self):
+            gap = self.step_load.float().mean() - self.step_load  # (E,)
+            step = {"sign": torch.sign(gap), "load": gap}[by] if at_mean == "still" else torch.where(gap > 0, 1.0, -1.0)
+            self.expert_bias += sign * self.rate * step
+            if reset:
+                self.step_load.zero_()
+
+    return AuxFreeMoE
 
 
-def update_bias(bias, expert, rate, sign=1, by="sign", count="assignments", at_mean="still"):
-    """The solution notebook's update, with a switch per mistake."""
-    chosen = expert.flatten() if count == "assignments" else expert[:, 0]
-    load = torch.bincount(chosen, minlength=bias.numel())  # (E,)
-    gap = load.float().mean() - load  # (E,)
-    step = {"sign": torch.sign(gap), "load": gap}[by] if at_mean == "still" else torch.where(gap > 0, 1.0, -1.0)
-    return bias + sign * rate * step
+class SortedMoE(nn.Module):
+    """An independent layer: the biased scores sorted, gates in float64, each expert run on a boolean mask of its
+    tokens, the loads a one-hot sum and the sign from integer comparisons."""
 
+    def __init__(self, dim, hidden, num_experts, k, rate):
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(dim, hidden) for _ in range(num_experts))
+        self.k, self.rate = k, rate
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+        self.loads = []  # the (E,) loads of the step's training forwards
 
-def sorted_route(logits, bias, k):
-    """An independent router: the biased scores sorted, gates as sigmoid's normalised shares in float64."""
-    score = torch.sigmoid(logits.float())  # (T, E)
-    expert = torch.argsort(score + bias, dim=-1, descending=True, stable=True)[:, :k]  # (T, k)
-    top = torch.take_along_dim(score, expert, dim=1).double()  # (T, k)
-    return expert, (top / top.sum(-1, keepdim=True)).float()
+    def route(self, x):
+        score = torch.sigmoid(self.gate(x).float())  # (T, E)
+        expert = torch.argsort(score + self.expert_bias, dim=-1, descending=True, stable=True)[:, :self.k]  # (T, k)
+        top = torch.take_along_dim(score, expert, dim=1).double()  # (T, k)
+        return expert, (top / top.sum(-1, keepdim=True)).float()
 
+    def forward(self, x):
+        tokens = x.flatten(0, -2)  # (T, C)
+        expert, gate = self.route(tokens)  # (T, k) each
+        y = 0
+        for e, mlp in enumerate(self.experts):
+            weight = (gate * (expert == e)).sum(-1, keepdim=True)  # (T, 1): 0 for the tokens not routed to e
+            mask = weight.squeeze(1) != 0  # (T,)
+            y = y + torch.zeros_like(tokens).masked_scatter(mask[:, None], mlp(tokens[mask]) * weight[mask])  # (T, C)
+        if self.training:
+            self.loads.append(F.one_hot(expert, len(self.experts)).sum(dim=(0, 1)))
+        return y.reshape(x.shape)
 
-def one_hot_update(bias, expert, rate):
-    """An independent update: the loads from one-hot counts, the sign from comparisons in integers, in float64."""
-    E = bias.numel()
-    load = F.one_hot(expert, E).sum(dim=(0, 1))  # (E,)
-    total = int(load.sum())
-    sign = (E * load < total).double() - (E * load > total).double()  # (E,)
-    return (bias.double() + rate * sign).float()
+    def update_bias(self):
+        load = torch.stack(self.loads).sum(0) if self.loads else torch.zeros_like(self.expert_bias, dtype=torch.long)
+        E, total = load.numel(), int(load.sum())
+        sign = (E * load < total).double() - (E * load > total).double()  # (E,)
+        self.expert_bias.copy_((self.expert_bias.double() + self.rate * sign).float())
+        self.loads = []
 
 
 def test_balance_tokens_keep_the_choices_apart():
@@ -442,9 +493,16 @@ def test_balance_tokens_keep_the_choices_apart():
     assert ((top[:, :-1] - top[:, 1:]) >= ch08.GAP).all()
 
 
-def test_bias_balance_is_not_attempted_with_either_part_unwritten(capsys):
-    not_attempted(ch08.bias_balance, unwritten, update_bias, capsys=capsys)
-    not_attempted(ch08.bias_balance, bias_route, unwritten, capsys=capsys)
+class UnwrittenMoE(nn.Module):
+    """The exercise notebook's layer: every method body is `raise NotImplementedError(...)`."""
+
+    def __init__(self, dim, hidden, num_experts, k, rate):
+        super().__init__()
+        raise NotImplementedError("Exercise 8.5: an MoE layer balanced by an expert bias")
+
+
+def test_bias_balance_is_not_attempted(capsys):
+    not_attempted(ch08.bias_balance, UnwrittenMoE, capsys=capsys)
 
 
 # --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
@@ -575,28 +633,30 @@ ANSWERS = [
     Mistake(ch08.nf4, nf4_quantize, lambda q: nf4_dequantize(q, mean=False), match="mean is not added back",
             hint="adds it back"),
 
-    Reference(ch08.bias_balance, bias_route, update_bias),
-    Reference(ch08.bias_balance, sorted_route, one_hot_update),
-    Mistake(ch08.bias_balance, lambda x, b, k: bias_route(x, b, k, gates="biased"), update_bias,
-            match="the gates include the bias", hint="without the bias"),
-    Mistake(ch08.bias_balance, lambda x, b, k: bias_route(x, b, k, choose="unbiased"), update_bias,
-            match="top k of the scores alone", hint="only decides which k experts"),
-    Mistake(ch08.bias_balance, lambda x, b, k: bias_route(x, b, k, gates="raw"), update_bias,
-            match="raw sigmoid scores: renormalise", hint="sum to 1"),
-    Mistake(ch08.bias_balance, lambda x, b, k: bias_route(x, b, k, scores="softmax"), update_bias,
-            match="softmax over the experts|top k of sigmoid", hint="sigmoid"),
-    Mistake(ch08.bias_balance, lambda x, b, k: bias_route(x, b, k, order="reversed"), update_bias,
-            match="in another order", hint="topk's order"),
-    Mistake(ch08.bias_balance, lambda x, b, k: bias_route(x, b, k, detach=True), update_bias,
-            match="no gradient w.r.t. the logits", hint="autograd graph"),
-    Mistake(ch08.bias_balance, bias_route, lambda b, e, r: update_bias(b, e, r, sign=-1), match="sign is flipped",
+    Reference(ch08.bias_balance, aux_free_moe()),
+    Reference(ch08.bias_balance, SortedMoE),
+    Mistake(ch08.bias_balance, aux_free_moe(gates="biased"), match="the gates include the bias",
+            hint="without the bias"),
+    Mistake(ch08.bias_balance, aux_free_moe(choose="unbiased"), match="top k of the scores alone",
+            hint="only decides which k experts"),
+    Mistake(ch08.bias_balance, aux_free_moe(gates="raw"), match="raw sigmoid scores: renormalise", hint="sum to 1"),
+    Mistake(ch08.bias_balance, aux_free_moe(scores="softmax"), match="softmax over the experts|top k of sigmoid",
+            hint="sigmoid"),
+    Mistake(ch08.bias_balance, aux_free_moe(order="reversed"), match="in another order", hint="topk's order"),
+    Mistake(ch08.bias_balance, aux_free_moe(detach=True), match="router's weight gets no gradient",
+            hint="autograd graph"),
+    Mistake(ch08.bias_balance, aux_free_moe(buffer=False), match="expert_bias is an nn.Parameter",
+            hint="no gradient trains the bias"),
+    Mistake(ch08.bias_balance, aux_free_moe(sign=-1), match="sign is flipped",
             hint="down for an expert above the mean"),
-    Mistake(ch08.bias_balance, bias_route, lambda b, e, r: update_bias(b, e, r, by="load"),
-            match="moves by γ·\\(mean load − loadᵢ\\), the load itself", hint="moves by exactly γ"),
-    Mistake(ch08.bias_balance, bias_route, lambda b, e, r: update_bias(b, e, r, count="tokens"),
-            match="count each token once", hint="every assignment"),
-    Mistake(ch08.bias_balance, bias_route, lambda b, e, r: update_bias(b, e, r, at_mean="moves"),
-            match="load equals the mean load moved", hint="not at all for one at the mean"),
+    Mistake(ch08.bias_balance, aux_free_moe(by="load"), match="moves by γ·\\(mean load − loadᵢ\\), the load itself",
+            hint="moves by exactly γ"),
+    Mistake(ch08.bias_balance, aux_free_moe(count="tokens"), match="count each token once", hint="every assignment"),
+    Mistake(ch08.bias_balance, aux_free_moe(in_eval=True), match="include the evaluation forward's",
+            hint="training forwards"),
+    Mistake(ch08.bias_balance, aux_free_moe(reset=False), match="every step so far", hint="starts from zero"),
+    Mistake(ch08.bias_balance, aux_free_moe(at_mean="moves"), match="load equals the mean load moved",
+            hint="not at all for one at the mean"),
 ]
 
 

@@ -5,7 +5,7 @@
     check.top2_router(top2_route)               # 8.2 the top-2 router with capacity (ch08_moe, llmlab.moe.route)
     check.lsq(LSQ, lsq_init_step)               # 8.3 LSQ as an autograd Function (ch08_lsq, llmlab.quant)
     check.nf4(nf4_quantize, nf4_dequantize)     # 8.4 NF4 with double quantization (ch08_nf4, llmlab.nf4)
-    check.bias_balance(bias_route, update_bias)  # 8.5 aux-loss-free balancing (ch08_balance, llmlab.moe)
+    check.bias_balance(AuxFreeMoE)              # 8.5 an MoE layer balanced by an expert bias (ch08_balance, llmlab.moe)
 """
 
 from llmlab.checks.ch08_balance import GAP, bias_balance
