@@ -162,6 +162,8 @@ def bias_balance(cls):
                           f"{name}.update_bias() after step {step} ({len(chosen)} training forward"
                           f"{'s' * (len(chosen) > 1)} of {T} tokens and one evaluation forward)",
                           evaluated=evaluated, since=since)
+            with torch.no_grad():  # the next step starts from llmlab's bias: one update's rounding at a time
+                mine.expert_bias.copy_(layer.expert_bias)
     _judge_crafted(cls)
 
 
@@ -349,3 +351,5 @@ def _judge_crafted(cls) -> None:
             raise Mismatch(f"{what}: the bias of an expert whose load equals the mean load moved; sign(0) = 0 "
                            "leaves it", mistake="at the mean", hint=_HINTS["at the mean"])
         _judge_update(got, bias, experts, layer.bias_rate, layer.expert_bias, what, evaluated, since)
+        with torch.no_grad():
+            mine.expert_bias.copy_(layer.expert_bias)

@@ -94,7 +94,7 @@ def _normalized(flat: torch.Tensor, block: int) -> torch.Tensor:
 
 def nf4_weight(shape, dtype: torch.dtype = torch.float32, zero_blocks: int = 0, outliers: int = 0,
                seed: int | None = None) -> torch.Tensor:
-    """A weight for the NF4 check: Gaussian of a random size, `outliers` values 20 times larger, `zero_blocks`
+    """A weight for the NF4 check: Gaussian (σ drawn in 0.01–0.11), `outliers` values 20 times larger, `zero_blocks`
     blocks of 64 set to zero, in `dtype`; every value whose w/c lies within MARGIN of a midpoint between two NF4
     levels is set to 0 (a level: a block's absmax has |w/c| = 1, beyond the outermost midpoint 0.86, so c stays)."""
     g = torch.Generator().manual_seed(seed if seed is not None else random.randrange(2**31))
