@@ -2,9 +2,10 @@
 as not attempted, and fails a plausible wrong answer with a message naming the mistake and the hint.
 
 Each answer is the solution notebook's, with switches for the mistakes a learner makes (`lora()`, `top2_route`,
-`lsq_function()` with no arguments are the solutions); a second, independent right answer (A Gaussian and the
-update folded into the weight on the fly; slots from GShard's one-hot cumsum; the paper's clipping line) must pass
-too."""
+`lsq_function()`, `nf4_quantize`, `aux_free_moe()` with no arguments are the solutions); a second, independent right
+answer (A Gaussian and the update folded into the weight on the fly; slots from GShard's one-hot cumsum; the paper's
+clipping line; the nearest NF4 level by argmin and constants gathered per weight; experts run on boolean masks and
+the bias's sign from integer comparisons) must pass too."""
 
 import copy
 import math
@@ -18,8 +19,9 @@ import torch.nn.functional as F
 from check_answers import Mistake, Reference
 from grading import fails, not_attempted
 
-from llmlab.checks import ch08, ch08_lsq, ch08_moe
-from llmlab.moe import Routing, route
+from llmlab.checks import ch08, ch08_balance, ch08_lsq, ch08_moe, ch08_nf4
+from llmlab.moe import Expert, Routing, route
+from llmlab.nf4 import Blockwise4bit, DoubleQuantized, int4_levels, nf4_levels, unpack_4bit
 
 
 @pytest.fixture(autouse=True)
@@ -310,6 +312,199 @@ def test_lsq_reference_is_pytorchs_learnable_fake_quantize():
     torch.testing.assert_close(s_grad, s2.grad, rtol=1e-5, atol=1e-6)  # the fp32 sum, in another order
 
 
+# --- 8.4: NF4 with double quantization ---------------------------------------------------------------------------
+
+def nf4_quantize(w, absmax="block", levels="nf4", nearest="value", pack="high first", double="centred",
+                 ragged="pad", zero="safe"):
+    """The solution notebook's quantizer, with a switch per mistake."""
+    table = {"nf4": nf4_levels(), "int4": int4_levels(), "linspace": torch.linspace(-1, 1, 16)}[levels]
+    flat = w.detach().reshape(-1).float()  # (n,)
+    n = flat.numel()
+    if ragged == "drop":
+        flat = flat[:n // 64 * 64]
+        n = flat.numel()
+    size = n if absmax == "tensor" else 64
+    blocks = (flat.view(-1, size) if ragged == "view" else F.pad(flat, (0, -n % size)).view(-1, size))  # (nb, size)
+    c = blocks.abs().amax(dim=1)  # (nb,)
+    x = blocks / (torch.where(c > 0, c, torch.ones_like(c)) if zero == "safe" else c)[:, None]  # (nb, size)
+    x = x.view(-1)[:n]  # (n,)
+    codes = {"value": lambda: torch.bucketize(x, (table[1:] + table[:-1]) / 2),
+             "index": lambda: ((x + 1) / 2 * 15).round().clamp(0, 15),
+             "above": lambda: torch.bucketize(x, table).clamp(max=15)}[nearest]().to(torch.uint8)  # (n,)
+    pairs = F.pad(codes, (0, n % 2)).view(-1, 2)  # (⌈n/2⌉, 2)
+    high, low = (0, 1) if pack != "low first" else (1, 0)
+    packed = codes if pack == "unpacked" else (pairs[:, high] << 4) | pairs[:, low]  # (⌈n/2⌉,)
+    if absmax == "tensor":
+        c = c.expand(-(-n // 64))  # (nb,): every block's constant the tensor's absmax
+    if double == "none":
+        return Blockwise4bit(packed, c, table, w.shape, 64)
+    mean = c.mean() if double != "zero mean" else torch.zeros(())
+    centred = c - mean if double == "centred" else c
+    groups = F.pad(centred, (0, -c.numel() % 256)).view(-1, 256)  # (n_groups, 256)
+    scale = groups.abs().amax(dim=1) / 448  # (n_groups,)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    fp8 = (groups / scale[:, None]).view(-1)[:c.numel()].to(torch.float8_e4m3fn)  # (nb,)
+    return Blockwise4bit(packed, DoubleQuantized(fp8, scale, mean.reshape(1), 256), table, w.shape, 64)
+
+
+def nf4_dequantize(q, mean=True):
+    """The solution notebook's dequantizer (`mean=False`: the mean not added back)."""
+    a, n = q.absmax, q.numel
+    c = a.codes.float() * a.scale.repeat_interleave(256)[:a.codes.numel()] + (a.mean if mean else 0)  # (nb,)
+    codes = torch.stack([q.codes >> 4, q.codes & 15], dim=1).view(-1)[:n]  # (n,)
+    values = F.pad(q.levels[codes.long()], (0, -n % 64)).view(-1, 64)  # (nb, 64)
+    return (values * c[:, None]).view(-1)[:n].view(q.shape)
+
+
+def nearest_quantize(w):
+    """An independent quantizer: the nearest level by distance (argmin), every code looked up per weight."""
+    levels = nf4_levels()  # (16,)
+    flat = w.detach().float().flatten()  # (n,)
+    n, blocks = flat.numel(), -(-flat.numel() // 64)
+    block_of = torch.arange(n) // 64  # (n,)
+    c = torch.zeros(blocks).scatter_reduce(0, block_of, flat.abs(), "amax")  # (nb,)
+    x = flat / c.clamp_min(torch.finfo(torch.float32).tiny)[block_of]  # (n,): a zero block gives 0 / tiny = 0
+    codes = (x[:, None] - levels).abs().argmin(dim=1).to(torch.uint8)  # (n,)
+    codes = torch.cat([codes, codes.new_zeros(n % 2)])
+    packed = codes[0::2] * 16 + codes[1::2]  # (⌈n/2⌉,)
+    mean = c.mean()
+    group_of = torch.arange(blocks) // 256  # (nb,)
+    scale = torch.zeros(-(-blocks // 256)).scatter_reduce(0, group_of, (c - mean).abs(), "amax") / 448
+    scale[scale == 0] = 1
+    fp8 = ((c - mean) / scale[group_of]).to(torch.float8_e4m3fn)  # (nb,)
+    return Blockwise4bit(packed, DoubleQuantized(fp8, scale, mean.reshape(1), 256), levels, w.shape, 64)
+
+
+def gather_dequantize(q):
+    """An independent dequantizer: each weight's constant gathered, the codes unpacked by llmlab."""
+    a, n = q.absmax, q.numel
+    c = a.dequantize()  # (nb,)
+    return (q.levels[unpack_4bit(q.codes, n).long()] * c[torch.arange(n) // 64]).view(q.shape)
+
+
+def test_nf4_weights_keep_off_the_midpoints_and_have_their_zero_blocks():
+    levels = nf4_levels()
+    for seed in range(20):
+        w = ch08.nf4_weight((33, 31), torch.bfloat16, zero_blocks=2, outliers=3, seed=seed)
+        x = ch08_nf4._normalized(w.reshape(-1).float(), 64)
+        assert ((x[:, None] - (levels[1:] + levels[:-1]) / 2).abs() >= ch08.MARGIN).all()
+        assert (ch08_nf4._constants(w) == 0).sum() == 2 and w.dtype == torch.bfloat16
+
+
+def test_nf4_is_not_attempted_with_either_part_unwritten(capsys):
+    not_attempted(ch08.nf4, unwritten, nf4_dequantize, capsys=capsys)
+    not_attempted(ch08.nf4, nf4_quantize, unwritten, capsys=capsys)
+
+
+# --- 8.5: an MoE layer balanced by an expert bias --------------------------------------------------------------
+
+def aux_free_moe(choose="biased", gates="unbiased", scores="sigmoid", order="topk", detach=False, buffer=True,
+                 sign=1, by="sign", count="assignments", at_mean="still", in_eval=False, reset=True):
+    """The solution notebook's layer, with a switch per mistake."""
+
+    class AuxFreeMoE(nn.Module):
+        def __init__(self, dim, hidden, num_experts, k, rate):
+            super().__init__()
+            self.gate = nn.Linear(dim, num_experts, bias=False)
+            self.experts = nn.ModuleList(Expert(dim, hidden) for _ in range(num_experts))
+            self.k, self.rate = k, rate
+            if buffer:
+                self.register_buffer("expert_bias", torch.zeros(num_experts))
+            else:
+                self.expert_bias = nn.Parameter(torch.zeros(num_experts))
+            self.register_buffer("step_load", torch.zeros(num_experts, dtype=torch.long), persistent=False)
+
+        def route(self, x):
+            logits = self.gate(x).float()  # (T, E)
+            logits = logits.detach() if detach else logits
+            score = logits.sigmoid() if scores == "sigmoid" else logits.softmax(-1)  # (T, E)
+            expert = (score + self.expert_bias if choose == "biased" else score).topk(self.k, dim=-1).indices
+            expert = expert.flip(-1) if order == "reversed" else expert  # (T, k)
+            top = (score + self.expert_bias if gates == "biased" else score).gather(1, expert)  # (T, k)
+            return expert, top if gates == "raw" else top / top.sum(-1, keepdim=True)
+
+        def forward(self, x):
+            tokens = x.reshape(-1, x.shape[-1])  # (T, C)
+            expert, gate = self.route(tokens)  # (T, k) each
+            y = torch.zeros_like(tokens)  # (T, C)
+            for e, mlp in enumerate(self.experts):
+                token, j = (expert == e).nonzero(as_tuple=True)  # the tokens routed to e, and which choice
+                y = y.index_add(0, token, mlp(tokens[token]) * gate[token, j, None].to(x.dtype))
+            if self.training or in_eval:
+                chosen = expert.flatten() if count == "assignments" else expert[:, 0]
+                self.step_load += torch.bincount(chosen, minlength=self.step_load.numel())
+            return y.view(x.shape)
+
+        @torch.no_grad()
+        def update_bias(self):
+            gap = self.step_load.float().mean() - self.step_load  # (E,)
+            step = {"sign": torch.sign(gap), "load": gap}[by] if at_mean == "still" else torch.where(gap > 0, 1.0, -1.0)
+            self.expert_bias += sign * self.rate * step
+            if reset:
+                self.step_load.zero_()
+
+    return AuxFreeMoE
+
+
+class SortedMoE(nn.Module):
+    """An independent layer: the biased scores sorted, gates in float64, each expert run on a boolean mask of its
+    tokens, the loads a one-hot sum and the sign from integer comparisons."""
+
+    def __init__(self, dim, hidden, num_experts, k, rate):
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(dim, hidden) for _ in range(num_experts))
+        self.k, self.rate = k, rate
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+        self.loads = []  # the (E,) loads of the step's training forwards
+
+    def route(self, x):
+        score = torch.sigmoid(self.gate(x).float())  # (T, E)
+        expert = torch.argsort(score + self.expert_bias, dim=-1, descending=True, stable=True)[:, :self.k]  # (T, k)
+        top = torch.take_along_dim(score, expert, dim=1).double()  # (T, k)
+        return expert, (top / top.sum(-1, keepdim=True)).float()
+
+    def forward(self, x):
+        tokens = x.flatten(0, -2)  # (T, C)
+        expert, gate = self.route(tokens)  # (T, k) each
+        y = 0
+        for e, mlp in enumerate(self.experts):
+            weight = (gate * (expert == e)).sum(-1, keepdim=True)  # (T, 1): 0 for the tokens not routed to e
+            mask = weight.squeeze(1) != 0  # (T,)
+            y = y + torch.zeros_like(tokens).masked_scatter(mask[:, None], mlp(tokens[mask]) * weight[mask])  # (T, C)
+        if self.training:
+            self.loads.append(F.one_hot(expert, len(self.experts)).sum(dim=(0, 1)))
+        return y.reshape(x.shape)
+
+    def update_bias(self):
+        load = torch.stack(self.loads).sum(0) if self.loads else torch.zeros_like(self.expert_bias, dtype=torch.long)
+        E, total = load.numel(), int(load.sum())
+        sign = (E * load < total).double() - (E * load > total).double()  # (E,)
+        self.expert_bias.copy_((self.expert_bias.double() + self.rate * sign).float())
+        self.loads = []
+
+
+def test_balance_tokens_keep_the_choices_apart():
+    gen = torch.Generator().manual_seed(0)
+    layer = ch08_balance._layer(7, 3, 1e-3, gen)
+    x = ch08_balance._tokens(layer, 201, gen, 3.0)
+    with torch.no_grad():
+        top = (layer.gate(x).sigmoid() + layer.expert_bias).topk(4, dim=-1).values
+    assert ((top[:, :-1] - top[:, 1:]) >= ch08.GAP).all()
+
+
+class UnwrittenMoE(nn.Module):
+    """The exercise notebook's layer: every method body is `raise NotImplementedError(...)`."""
+
+    def __init__(self, dim, hidden, num_experts, k, rate):
+        super().__init__()
+        raise NotImplementedError("Exercise 8.5: an MoE layer balanced by an expert bias")
+
+
+def test_bias_balance_is_not_attempted(capsys):
+    not_attempted(ch08.bias_balance, UnwrittenMoE, capsys=capsys)
+
+
 # --- the tables: tests/test_checks_answers.py runs each once, tools/flake.py N times ------------------------------
 
 ANSWERS = [
@@ -407,6 +602,61 @@ ANSWERS = [
             match="the step comes from v's mean", hint="magnitude"),
     Mistake(ch08.lsq, lsq_function(), lambda v, q_p, ch_axis=None: lsq_init_step(v, q_p, ch_axis, eps=False),
             match="the zero row's step is 0", hint="eps"),
+
+    Reference(ch08.nf4, nf4_quantize, nf4_dequantize),
+    Reference(ch08.nf4, nearest_quantize, gather_dequantize),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, absmax="tensor"), nf4_dequantize,
+            match="absmax is taken over the whole tensor", hint="its own largest magnitude"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, levels="int4"), nf4_dequantize, match="levels = .* expected NF4's 16",
+            hint="not evenly spaced"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, levels="linspace"), nf4_dequantize,
+            match="levels = .* expected NF4's 16", hint="not evenly spaced"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, nearest="index"), nf4_dequantize,
+            match="round\\(\\(x \\+ 1\\)/2 · 15\\)", hint="nearest to it in value"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, nearest="above"), nf4_dequantize, match="first level at or above",
+            hint="midpoints"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, pack="low first"), nf4_dequantize, match="swapped", hint="high nibble"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, pack="unpacked"), nf4_dequantize, match="one per weight",
+            hint="two codes share a uint8"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, ragged="drop"), nf4_dequantize, match="ragged block, are dropped",
+            hint="pad the flattened weight"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, ragged="view"), nf4_dequantize,
+            match="raised RuntimeError .* pad the last block", hint="pad the flattened weight"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, zero="nan"), nf4_dequantize, match="all-zero block: its absmax is 0",
+            hint="divide such a block by 1"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, double="none"), nf4_dequantize, match="double-quantize them",
+            hint="FP8 E4M3"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, double="uncentred"), nf4_dequantize,
+            match="mean is not subtracted first", hint="both signs"),
+    Mistake(ch08.nf4, lambda w: nf4_quantize(w, double="zero mean"), nf4_dequantize,
+            match="absmax.mean = 0, expected the constants' mean", hint="both signs"),
+    Mistake(ch08.nf4, nf4_quantize, lambda q: nf4_dequantize(q, mean=False), match="mean is not added back",
+            hint="adds it back"),
+
+    Reference(ch08.bias_balance, aux_free_moe()),
+    Reference(ch08.bias_balance, SortedMoE),
+    Mistake(ch08.bias_balance, aux_free_moe(gates="biased"), match="the gates include the bias",
+            hint="without the bias"),
+    Mistake(ch08.bias_balance, aux_free_moe(choose="unbiased"), match="top k of the scores alone",
+            hint="only decides which k experts"),
+    Mistake(ch08.bias_balance, aux_free_moe(gates="raw"), match="raw sigmoid scores: renormalise", hint="sum to 1"),
+    Mistake(ch08.bias_balance, aux_free_moe(scores="softmax"), match="softmax over the experts|top k of sigmoid",
+            hint="sigmoid"),
+    Mistake(ch08.bias_balance, aux_free_moe(order="reversed"), match="in another order", hint="topk's order"),
+    Mistake(ch08.bias_balance, aux_free_moe(detach=True), match="router's weight gets no gradient",
+            hint="autograd graph"),
+    Mistake(ch08.bias_balance, aux_free_moe(buffer=False), match="expert_bias is an nn.Parameter",
+            hint="no gradient trains the bias"),
+    Mistake(ch08.bias_balance, aux_free_moe(sign=-1), match="sign is flipped",
+            hint="down for an expert above the mean"),
+    Mistake(ch08.bias_balance, aux_free_moe(by="load"), match="moves by γ·\\(mean load − loadᵢ\\), the load itself",
+            hint="moves by exactly γ"),
+    Mistake(ch08.bias_balance, aux_free_moe(count="tokens"), match="count each token once", hint="every assignment"),
+    Mistake(ch08.bias_balance, aux_free_moe(in_eval=True), match="include the evaluation forward's",
+            hint="training forwards"),
+    Mistake(ch08.bias_balance, aux_free_moe(reset=False), match="every step so far", hint="starts from zero"),
+    Mistake(ch08.bias_balance, aux_free_moe(at_mean="moves"), match="load equals the mean load moved",
+            hint="not at all for one at the mean"),
 ]
 
 
