@@ -24,6 +24,21 @@ def not_attempted(check, *answers, capsys):
     assert "not attempted yet" in capsys.readouterr().out
 
 
+def cases_taken(monkeypatch, module, name: str = "_cases") -> list:
+    """Count the cases a check takes from `module.name` (a function returning its list of cases): a check that
+    answers "not attempted" at once takes at most the first. (Structural, where a wall-clock bound of 1 s failed on
+    a machine at load 30.)"""
+    taken, original = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        for case in original(*args, **kwargs):
+            taken.append(case)
+            yield case
+
+    monkeypatch.setattr(module, name, counted)
+    return taken
+
+
 def fails(check, *answers, match: str, hint: str) -> str:
     checks.forget()  # a first failure: its line shows the nudge
     with pytest.raises(ExerciseFailed) as info:
