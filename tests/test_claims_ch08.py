@@ -35,7 +35,7 @@ def test_claim_c19_prints_the_step_time_it_was_given_and_its_verdict_rests_on_by
     assert "1.00× ±" in m.text and "not conclusive" in m.text
 
 
-def test_claim_c21_trains_its_runs_alone_and_after_that_reads_them():
+def test_claim_c21_trains_its_runs_alone_and_after_that_reads_them(one_thread):
     """Alone (nothing cached), C21 trains its fp32 and W4A8 runs itself; called again (as after chapter 8's QAT
     cell, which trains the same runs) it trains nothing and finds the same value and verdict. Both runs are
     deterministic, so the figures are equal exactly."""
