@@ -38,6 +38,7 @@ adapters L₁, L₂ trained in bf16. `NF4Linear` is `llmlab.lora.LoRALinear` ove
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 from llmlab import validation
 from llmlab.data import MarkovSource, SyntheticDataset
 from llmlab.lora import LoRALinear, apply_lora, trainable_parameters
+from llmlab.model import GPT
 from llmlab.quant import run_steps, train_tiny
 
 __all__ = ["PAPER_NF4", "nf4_levels", "int4_levels", "pack_4bit", "unpack_4bit", "NF4Config", "DoubleQuantized",
@@ -339,18 +341,28 @@ SHIFTED_CONCENTRATION = 0.3
 
 def finetune_losses(kind: str, steps: int = 40, pretrain_steps: int = 60, r: int = 8, alpha: float = 8.0,
                     lr: float = 1e-2, seed: int = 0, batch_size: int = 8, block_size: int = 32,
-                    device: str | torch.device = "cpu") -> list[float]:
+                    device: str | torch.device = "cpu", base: GPT | None = None) -> list[float]:
     """The loss of every step of a fine-tune of the tiny GPT on a shifted task, with LoRA over a bf16 base
     ("lora-bf16") or over its NF4 copy ("qlora"), adapters on `QLORA_TARGETS`, trained in bf16 with AdamW.
 
     The start is the same for both: the tiny GPT trained `pretrain_steps` fp32 steps on the Markov source of
     `seed` (`llmlab.quant.train_tiny`, deterministic, in memory), cast to bf16; the adapters are drawn from the
     same seed. The shifted task is that chain with new odds (`SHIFTED_CONCENTRATION`), on batches of its own.
-    The two curves differ only by the base weight's storage: bf16 or NF4."""
+    The two curves differ only by the base weight's storage: bf16 or NF4.
+
+    `base`, a GPT already pretrained on the Markov source of `seed` (a chapter's own), is the start instead: a
+    copy of it is cast and fine-tuned (`base` itself is left as it is) and `pretrain_steps` is not used."""
     validation.one_of("kind", kind, FINETUNE_KINDS)
     validation.positive_int("steps", steps)
     validation.positive_int("pretrain_steps", pretrain_steps)
-    model = train_tiny(None, pretrain_steps, seed, 3e-3, batch_size, block_size, device)[0].to(torch.bfloat16)
+    if base is None:
+        model = train_tiny(None, pretrain_steps, seed, 3e-3, batch_size, block_size, device)[0]
+    elif isinstance(base, GPT):
+        validation.integer("block_size", block_size, 1, base.config.block_size, hint="(the base's context length)")
+        model = copy.deepcopy(base).to(device)
+    else:
+        raise ValueError(f"base must be an llmlab GPT or None, got {type(base).__name__}")
+    model = model.to(torch.bfloat16)
     torch.manual_seed(seed)  # the same A for both kinds
     if kind == "qlora":
         qlora(model, r, alpha)

@@ -21,6 +21,7 @@ and of each PTQ variant of it, and of QAT runs with the same steps, seed and bat
 
     from llmlab.ptq import ptq_table
     rows = ptq_table()             # [{"model": "PTQ W4 per-channel", ..., "loss": ..., "gap": ...}, ...]
+    rows = ptq_rows(trained, held_out, calibration, {"QAT W4A8": (config, qat_model)})  # a model of your own
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from llmlab.model import GPT
 from llmlab.quant import BENCH_CONFIGS, MinMaxQuantizer, QConfig, QuantLinear, quantize_model, train_tiny
 
 __all__ = ["eval_loss", "post_training_quantize", "add_outlier_channel", "weight_error", "PTQ_CONFIGS",
-           "ptq_table"]
+           "ptq_rows", "ptq_table"]
 
 
 @torch.no_grad()
@@ -116,33 +117,33 @@ def _describe(config: QConfig | None) -> tuple[str, str]:
     return (name(None), name(None)) if config is None else (name(config.weight), name(config.activation))
 
 
-def ptq_table(steps: int = 150, seed: int = 0, lr: float = 3e-3, batch_size: int = 8, block_size: int = 32,
-              eval_batches: int = 8, calibration_batches: int = 4, outlier_scale: float = 100.0,
-              device: str | torch.device = "cpu") -> list[dict]:
-    """Rows {model, method, weights, activations, outlier, weight_error, loss, gap}: the held-out loss of the tiny
-    GPT trained `steps` fp32 AdamW steps (`quant.train_tiny`), of its copy with an outlier channel
-    (`add_outlier_channel`: the same function), of each `PTQ_CONFIGS` variant (calibrated on batches of the
-    training source that training never drew), and of QAT runs (`quant.BENCH_CONFIGS`: LSQ weights, MinMax int8
-    activations) trained from the same start on the same batches. `gap` is the loss minus the fp32 model's;
-    `weight_error` is `weight_error(model)`. The outlier channel's values are multiplied by `outlier_scale`:
-    SmoothQuant (Xiao et al. 2023, §1) reports activation outliers about 100× larger than most values.
-
-    Held out: batches of the same Markov source drawn with another seed, the same for every row."""
-    validation.positive_int("steps", steps)
-    fp32 = train_tiny(None, steps, seed, lr, batch_size, block_size, device)[0]
-    source = MarkovSource(fp32.config.vocab_size, seed=seed)  # the training source, as train_tiny builds it
-    held_out = SyntheticDataset(source, batch_size, block_size, seed=seed + 1)
-    calibration = SyntheticDataset(source, batch_size, block_size, seed=seed + 2)
+def ptq_rows(fp32: GPT, held_out: SyntheticDataset, calibration: SyntheticDataset, qat: dict | None = None,
+             eval_batches: int = 8, calibration_batches: int = 4, outlier_scale: float = 100.0,
+             device: str | torch.device = "cpu") -> list[dict]:
+    """Rows {model, method, weights, activations, outlier, weight_error, loss, gap} for a trained fp32 GPT: the
+    held-out loss (`held_out`'s first `eval_batches` batches) of `fp32`, of its copy with an outlier channel
+    (`add_outlier_channel`: the same function), of each `PTQ_CONFIGS` variant calibrated on `calibration`'s first
+    `calibration_batches` batches, and of each QAT model in `qat`, {row name: (its QConfig, the model trained
+    with it)}. `gap` is the loss minus `fp32`'s; `weight_error` is `weight_error(model)`. The outlier channel's
+    values are multiplied by `outlier_scale`: SmoothQuant (Xiao et al. 2023, §1) reports activation outliers
+    about 100× larger than most values. `fp32` is evaluated in place (eval mode), and otherwise left as it is."""
+    if not isinstance(fp32, GPT):
+        raise ValueError(f"fp32 must be an llmlab GPT, got {type(fp32).__name__}")
+    for name, data in (("held_out", held_out), ("calibration", calibration)):
+        if not isinstance(data, SyntheticDataset):
+            raise ValueError(f"{name} must be a SyntheticDataset, got {type(data).__name__}")
+    qat = {} if qat is None else qat
+    if not isinstance(qat, dict) or not all(
+            isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], QConfig) and isinstance(v[1], nn.Module)
+            for v in qat.values()):
+        raise ValueError(f"qat={qat!r} must be a dict of {{row name: (QConfig, the model trained with it)}}")
     outlier = add_outlier_channel(fp32, scale=outlier_scale)
     rows = [("fp32", "float", None, False, fp32), ("fp32, outlier channel", "float", None, True, outlier)]
     for name, (make, with_outlier) in PTQ_CONFIGS.items():
         config = make()
         rows.append((name, "PTQ", config, with_outlier, post_training_quantize(
             outlier if with_outlier else fp32, config, calibration, calibration_batches, device)))
-    for name, make in BENCH_CONFIGS.items():
-        config = make()
-        rows.append((f"QAT {name}", "QAT", config, False,
-                     train_tiny(config, steps, seed, lr, batch_size, block_size, device)[0]))
+    rows += [(name, "QAT", config, False, model) for name, (config, model) in qat.items()]
     base = eval_loss(fp32, held_out, eval_batches, device)
     table = []
     for name, method, config, with_outlier, model in rows:
@@ -151,3 +152,23 @@ def ptq_table(steps: int = 150, seed: int = 0, lr: float = 3e-3, batch_size: int
         table.append({"model": name, "method": method, "weights": weights, "activations": activations,
                       "outlier": with_outlier, "weight_error": weight_error(model), "loss": loss, "gap": loss - base})
     return table
+
+
+def ptq_table(steps: int = 150, seed: int = 0, lr: float = 3e-3, batch_size: int = 8, block_size: int = 32,
+              eval_batches: int = 8, calibration_batches: int = 4, outlier_scale: float = 100.0,
+              device: str | torch.device = "cpu") -> list[dict]:
+    """`ptq_rows` for the tiny GPT trained `steps` fp32 AdamW steps (`quant.train_tiny`), with QAT rows
+    "QAT W8A8" and "QAT W4A8" (`quant.BENCH_CONFIGS`: LSQ weights, MinMax int8 activations) trained from the same
+    start on the same batches; calibrated on batches of the training source that training never drew.
+
+    Held out: batches of the same Markov source drawn with another seed, the same for every row."""
+    validation.positive_int("steps", steps)
+    fp32 = train_tiny(None, steps, seed, lr, batch_size, block_size, device)[0]
+    source = MarkovSource(fp32.config.vocab_size, seed=seed)  # the training source, as train_tiny builds it
+    held_out = SyntheticDataset(source, batch_size, block_size, seed=seed + 1)
+    calibration = SyntheticDataset(source, batch_size, block_size, seed=seed + 2)
+    qat = {}
+    for name, make in BENCH_CONFIGS.items():
+        config = make()
+        qat[f"QAT {name}"] = (config, train_tiny(config, steps, seed, lr, batch_size, block_size, device)[0])
+    return ptq_rows(fp32, held_out, calibration, qat, eval_batches, calibration_batches, outlier_scale, device)

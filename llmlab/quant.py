@@ -341,15 +341,58 @@ def run_steps(model: nn.Module, optimizer: torch.optim.Optimizer, data: Syntheti
             for _ in range(steps)]
 
 
+def _fresh_spec(quantizer: _Quantizer | None):
+    """A quantizer prototype as the arguments that rebuild it, (class, bits, signed, per_channel, ch_axis), when
+    those say all there is: a MinMaxQuantizer that has observed nothing, an LSQQuantizer whose step is not
+    initialised. None for no quantizer; `_USED` for one whose state (a range seen, a step) would also matter."""
+    if quantizer is None:
+        return None
+    fresh = ((type(quantizer) is MinMaxQuantizer and not quantizer.observed)
+             or (type(quantizer) is LSQQuantizer and not quantizer.initialized))
+    return ((type(quantizer), quantizer.bits, quantizer.signed, quantizer.per_channel, quantizer.ch_axis)
+            if fresh else _USED)
+
+
+_USED = object()  # `_fresh_spec` of a prototype that carries state: such a run is trained afresh, not cached
+
+
+@functools.lru_cache(maxsize=32)  # a tiny GPT is ~0.5 MB: 32 runs stay far below any memory concern
+def _trained(specs: tuple, steps: int, seed: int, lr: float, batch_size: int, block_size: int, device: str
+             ) -> tuple[GPT, tuple[float, ...]]:
+    """`train_tiny`'s run for the quantizers rebuilt from `specs` (`_fresh_spec`'s, activation then weight; None
+    for fp32), remembered: a second call with the same arguments returns the first one's model and losses."""
+    config = None if specs is None else QConfig(*(None if s is None else s[0](*s[1:]) for s in specs))
+    model, losses = _train(config, steps, seed, lr, batch_size, block_size, device)
+    return model, tuple(losses)
+
+
+def _train(quant_config: QConfig | None, steps: int, seed: int, lr: float, batch_size: int, block_size: int,
+           device) -> tuple[GPT, list[float]]:
+    model, optimizer, data = _tiny_run(_prepare(quant_config), seed, lr, batch_size, block_size, device)
+    return model, run_steps(model, optimizer, data, steps, device)
+
+
 def train_tiny(quant_config: QConfig | None, steps: int = 100, seed: int = 0, lr: float = 3e-3,
                batch_size: int = 16, block_size: int = 64, device: str | torch.device = "cpu"
                ) -> tuple[GPT, list[float]]:
     """Train the tiny GPT (quantized with `quant_config`, or in plain fp32 for None) on the order-1 Markov
     source with AdamW for `steps` steps on `device`: (the trained model, the loss of every step). Deterministic:
-    the same arguments give the same model, so it serves as a pretrained start (`llmlab.ptq`, `llmlab.nf4`)."""
+    the same arguments give the same model, so it serves as a pretrained start (`llmlab.ptq`, `llmlab.nf4`).
+
+    Computed once per process: with fresh quantizer prototypes (the usual `QConfig(...)`), a second call with the
+    same arguments returns a copy of the first call's model and its losses without training again, so chapter 8's
+    QAT cell and claim C21 share their runs. A call after a cached one leaves the global RNG as it finds it (a
+    run seeds it with `seed` when it trains). Prototypes that carry state (a range already observed, a step
+    already set) are trained afresh every time."""
     validation.positive_int("steps", steps)
-    model, optimizer, data = _tiny_run(_prepare(quant_config), seed, lr, batch_size, block_size, device)
-    return model, run_steps(model, optimizer, data, steps, device)
+    if quant_config is not None and not isinstance(quant_config, QConfig):
+        raise ValueError(f"quant_config must be a QConfig or None, got {type(quant_config).__name__}")
+    specs = None if quant_config is None else tuple(_fresh_spec(q) for q in (quant_config.activation,
+                                                                             quant_config.weight))
+    if specs is not None and _USED in specs:
+        return _train(quant_config, steps, seed, lr, batch_size, block_size, device)
+    model, losses = _trained(specs, steps, seed, lr, batch_size, block_size, str(torch.device(device)))
+    return copy.deepcopy(model), list(losses)
 
 
 def tiny_losses(prepare, steps: int = 100, seed: int = 0, lr: float = 3e-3, batch_size: int = 16,

@@ -1,10 +1,10 @@
 """Chapter 8's claims (llmlab.claims.ch08): C20, the parameters and FLOPs a token uses in a MoE layer; C19 with
-constructed step times (no timing in a test)."""
+constructed step times (no timing in a test); C21 alone and after the runs it shares with the chapter."""
 
 import dataclasses
 import functools
 
-from llmlab import claims, lora
+from llmlab import claims, lora, quant
 from llmlab.claims import ch08
 from llmlab.timing import Comparison, Load, Timing
 
@@ -33,3 +33,16 @@ def test_claim_c19_prints_the_step_time_it_was_given_and_its_verdict_rests_on_by
     assert m.verdict == "holds with conditions"
     assert m.value["fwd+bwd time LoRA/full (tiny)"] == 1.0
     assert "1.00× ±" in m.text and "not conclusive" in m.text
+
+
+def test_claim_c21_trains_its_runs_alone_and_after_that_reads_them(one_thread):
+    """Alone (nothing cached), C21 trains its fp32 and W4A8 runs itself; called again (as after chapter 8's QAT
+    cell, which trains the same runs) it trains nothing and finds the same value and verdict. Both runs are
+    deterministic, so the figures are equal exactly."""
+    quant._trained.cache_clear()
+    alone = ch08.quantized_training()
+    assert quant._trained.cache_info().misses == 2 and quant._trained.cache_info().hits == 0
+    again = claims.get("C21").measure()
+    assert quant._trained.cache_info().misses == 2 and quant._trained.cache_info().hits == 2
+    assert again.value == alone.value and again.verdict == alone.verdict == "holds with conditions"
+    assert "60 AdamW steps" in alone.text

@@ -252,6 +252,16 @@ def test_qlora_follows_lora_in_bf16_on_a_shifted_task(one_thread):
     assert max(abs(a - b) for a, b in zip(lora, qlora_, strict=True)) < 0.1  # step by step too
 
 
+def test_a_given_base_is_the_start_the_default_pretrains_and_is_left_as_it_was(one_thread):
+    """`base=` the very model `finetune_losses` would pretrain gives the same curve, bit for bit (the same weights,
+    adapters and batches: no rounding differs), and the caller's model keeps its fp32 weights."""
+    pretrained = quant.train_tiny(None, 60, 0, 3e-3, 8, 32)[0]
+    before = {k: v.clone() for k, v in pretrained.state_dict().items()}
+    assert finetune_losses("qlora", steps=5, base=pretrained) == finetune_losses("qlora", steps=5)
+    after = pretrained.state_dict()
+    assert all(torch.equal(before[k], after[k]) and after[k].dtype == before[k].dtype for k in before)
+
+
 @pytest.mark.parametrize("make,match", [
     (lambda: quantize_nf4(torch.arange(4)), r"w must be a non-empty floating-point tensor, got torch.int64"),
     (lambda: quantize_nf4(torch.tensor([1.0, math.nan])), r"w holds an inf or NaN"),
@@ -275,6 +285,9 @@ def test_qlora_follows_lora_in_bf16_on_a_shifted_task(one_thread):
     (lambda: finetune_losses("int8"), r"kind='int8' must be one of 'lora-bf16', 'qlora'"),
     (lambda: finetune_losses("qlora", steps=0), r"steps=0 must be a positive int"),
     (lambda: finetune_losses("qlora", pretrain_steps=0), r"pretrain_steps=0 must be a positive int"),
+    (lambda: finetune_losses("qlora", base=nn.Linear(4, 4)), r"base must be an llmlab GPT or None, got Linear"),
+    (lambda: finetune_losses("qlora", base=GPT(GPTConfig.preset("tiny", block_size=16))),
+     r"block_size=32 must be an int in \[1, 16\] \(the base's context length\)"),
 ])
 def test_bad_arguments_are_refused(make, match):
     with pytest.raises(ValueError, match=match):

@@ -12,7 +12,15 @@ import torch.nn as nn
 
 from llmlab.data import MarkovSource, SyntheticDataset
 from llmlab.model import GPT, GPTConfig
-from llmlab.ptq import PTQ_CONFIGS, add_outlier_channel, eval_loss, post_training_quantize, ptq_table, weight_error
+from llmlab.ptq import (
+    PTQ_CONFIGS,
+    add_outlier_channel,
+    eval_loss,
+    post_training_quantize,
+    ptq_rows,
+    ptq_table,
+    weight_error,
+)
 from llmlab.quant import MinMaxQuantizer, QConfig, QuantLinear
 
 
@@ -129,7 +137,27 @@ def test_ptq_against_qat_on_the_trained_tiny_gpt(one_thread):
         assert rows[name]["method"] == "QAT" and abs(rows[name]["gap"]) < 0.1, name
 
 
+def test_rows_of_a_model_of_ones_own_name_each_variant_and_leave_the_model(one_thread, seed):
+    """ptq_rows on any trained GPT (here a random one) and a QAT entry of the caller's: every row's gap is its
+    held-out loss minus the fp32 model's, each loss being eval_loss of that model on the same batches (the same
+    forward passes: equal to the bit); the caller's model keeps its weights."""
+    model, held_out, calibration = _gpt(seed), _data(seed + 1), _data(seed + 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = QConfig(weight=MinMaxQuantizer(bits=4, per_channel=True))
+    mine = post_training_quantize(model, config, calibration, batches=2)  # stands in for a QAT-trained model
+    rows = ptq_rows(model, held_out, calibration, {"QAT mine": (config, mine)}, eval_batches=2)
+    assert [r["model"] for r in rows] == ["fp32", "fp32, outlier channel", *PTQ_CONFIGS, "QAT mine"]
+    base = eval_loss(model, held_out, batches=2)
+    assert rows[-1]["method"] == "QAT" and rows[-1]["weights"] == "int4 per-channel"
+    assert rows[-1]["gap"] == eval_loss(mine, held_out, batches=2) - base
+    assert rows[0]["gap"] == 0 and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize("make,match", [
+    (lambda: ptq_rows(nn.Linear(4, 4), _data(0), _data(1)), r"fp32 must be an llmlab GPT, got Linear"),
+    (lambda: ptq_rows(GPT(GPTConfig.preset("tiny")), [], _data(1)), r"held_out must be a SyntheticDataset, got list"),
+    (lambda: ptq_rows(GPT(GPTConfig.preset("tiny")), _data(0), _data(1), {"QAT": QConfig()}),
+     r"qat=.* must be a dict of \{row name: \(QConfig, the model trained with it\)\}"),
     (lambda: add_outlier_channel(nn.Linear(4, 4)), r"model must be an llmlab GPT, got Linear"),
     (lambda: add_outlier_channel(GPT(GPTConfig.preset("tiny")), channel=64), r"channel=64 must be an int in \[0, 63\]"),
     (lambda: add_outlier_channel(GPT(GPTConfig.preset("tiny")), scale=0), r"scale=0 must be a positive number"),

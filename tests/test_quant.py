@@ -21,6 +21,7 @@ from llmlab.quant import (
     step_times,
     tiny_losses,
     train_losses,
+    train_tiny,
 )
 
 U = 2.0**-24  # fp32 unit roundoff
@@ -194,6 +195,36 @@ def test_w4a8_tiny_gpt_trains_about_as_well_as_fp32(one_thread):
     assert final(quantized) < 1.6 and final(quantized) - final(fp32) < 0.15
 
 
+def test_train_tiny_trains_once_per_arguments_and_hands_out_copies(one_thread):
+    """Chapter 8's QAT cell and claim C21 share runs through train_tiny's cache: a second call with an equal fresh
+    QConfig (another object) trains nothing and returns the same losses and weights, bit for bit, as an
+    uncached run; each caller gets its own copy of the model. A prototype that has already seen data trains
+    afresh. 12 steps of 4 × 16 tokens keep it short: equality, not learning, is tested."""
+    from llmlab import quant
+
+    def w4a8():
+        return QConfig(activation=MinMaxQuantizer(bits=8), weight=LSQQuantizer(bits=4))
+
+    args = (12, 0, 3e-3, 4, 16)  # steps, seed, lr, batch_size, block_size
+    quant._trained.cache_clear()
+    first_model, first = train_tiny(w4a8(), *args)
+    again_model, again = train_tiny(w4a8(), *args)
+    assert quant._trained.cache_info().misses == 1 and quant._trained.cache_info().hits == 1
+    uncached_model, uncached = quant._train(w4a8(), *args, "cpu")
+    assert first == again == uncached
+    reference = uncached_model.state_dict()
+    for model in (first_model, again_model):
+        assert model.state_dict().keys() == reference.keys()
+        assert all(torch.equal(t, reference[k]) for k, t in model.state_dict().items())
+    with torch.no_grad():
+        first_model.lm_head.weight.add_(1.0)  # a caller changing its copy changes neither the cache nor another copy
+    assert torch.equal(train_tiny(w4a8(), *args)[0].lm_head.weight, again_model.lm_head.weight)
+    used = w4a8()
+    used.weight(torch.randn(8, 8))  # the step is now set from these values
+    train_tiny(used, *args)
+    assert quant._trained.cache_info().misses == 1  # not looked up: its state is part of what it trains
+
+
 def test_held_out_loss_is_the_mean_of_the_last_ten():
     assert held_out_loss([9.0] * 5 + [float(i) for i in range(10)]) == 4.5
     with pytest.raises(ValueError, match="losses has 9 values; a held-out loss averages the last 10"):
@@ -243,6 +274,7 @@ def test_step_times_interleaves_every_configuration_from_one_start(one_thread):
     (lambda: MinMaxQuantizer(per_channel=True, ch_axis=2)(torch.ones(3, 4)), r"ch_axis=2 is out of range"),
     (lambda: MinMaxQuantizer().qparams(), r"has not observed any input yet"),
     (lambda: train_losses(None, steps=0), r"steps=0 must be a positive int"),
+    (lambda: train_tiny("W4A8", steps=1), r"quant_config must be a QConfig or None, got str"),
     (lambda: tiny_losses("qat"), r"prepare='qat' must be a function of the model, or None"),
     (lambda: tiny_losses(None, precision="fp8"), r"precision='fp8' must be one of 'fp32', 'bf16', 'fp16'"),
 ])
