@@ -324,6 +324,13 @@ def _losses(got: dict, ref: Routing, x: torch.Tensor, ref_logits: torch.Tensor, 
                        hint=_HINTS["detached"])
     _loss(got["gate"], balance, z, weights, keep).backward()
     grad_close = dict(rtol=1e-4, atol=1e-6)  # fp32 softmax gradients, summed in other orders
+    broken = ~torch.isfinite(x.grad).all(-1)  # (T,): tokens whose logits got a NaN or inf gradient
+    if broken.any() and torch.isfinite(ref_logits.grad).all() and not (broken & keep.any(-1)).any():
+        # only tokens that lost both choices: their gates, renormalised after the drop, are 0/0 (the forward may
+        # hide it, a dropped gate is never used; its gradient cannot) — the flake hunt met this 1 run in 300
+        raise Mismatch(f"{what}: the gradient is NaN for the {int(broken.sum())} token(s) whose two choices were both "
+                       "dropped: renormalised after the drop, their gates divide 0 by 0; renormalise before the drop, "
+                       "not after", mistake="gates after drop", hint=_HINTS["gates after drop"])
     if not torch.allclose(x.grad, ref_logits.grad, **grad_close):
         _diagnose_balance_gradient(x.grad, ref_logits.detach(), ref, weights, keep, grad_close, what)
     assert_close(x.grad, ref_logits.grad, what=f"{what}: d(Σ gate·w·kept + balance_loss + z_loss)/dlogits",
