@@ -24,7 +24,9 @@ loss), Zoph et al. 2022 (ST-MoE: the router z-loss). For T tokens x (T, C) and E
    expert (a stable argsort: priority order inside each expert); the tokens are permuted into that order once
    (one `index_select`), every projection is one segment matmul (expert e's weight on its block of consecutive
    rows, `llmlab.moe_dispatch.grouped_mlp`), and one `index_add` sums the gated results back into the tokens:
-   a loop over the E experts, never over tokens.
+   a loop over the E experts, never over tokens. `grouped_gemm=True` runs each projection instead as one launch
+   of the Triton grouped GEMM for every expert (`llmlab.moe_dispatch.grouped_gemm_mlp`,
+   `llmlab.kernels.grouped_gemm`), the same maths.
 5. **Expert parallelism** (`group=`, as in GShard): rank r of N owns experts r·E/N … (r+1)·E/N − 1; the router is
    replicated. Each rank routes its own tokens (capacity from its own T), then an all-to-all sends each rank the
    rows for its experts, they compute, and a second all-to-all brings the results home: two all-to-alls forward,
@@ -64,7 +66,7 @@ import torch.nn as nn
 
 from llmlab import moe_bench, runtime, validation
 from llmlab.moe_bench import fwd_bwd
-from llmlab.moe_dispatch import expert_parallel, grouped_mlp
+from llmlab.moe_dispatch import expert_parallel, grouped_gemm_mlp, grouped_mlp
 from llmlab.timing import compare
 
 __all__ = ["Expert", "Routing", "route", "MoELayer", "loop_reference", "every_expert", "bench"]
@@ -149,12 +151,13 @@ class MoELayer(nn.Module):
 
     `capacity_factor=None` drops nothing. `group`: expert parallelism over that process group (each rank owns
     num_experts / world_size experts, `self.experts`, the first being global expert `self.first_expert`).
-    `balance_coef` (α) and `z_coef` weigh the balance loss and z-loss in aux_loss. After a forward,
-    `self.routing` (a detached `Routing`) says where the tokens went.
+    `balance_coef` (α) and `z_coef` weigh the balance loss and z-loss in aux_loss. `grouped_gemm=True`: the experts'
+    projections through the Triton grouped GEMM, one launch each for all experts (else one matmul per expert).
+    After a forward, `self.routing` (a detached `Routing`) says where the tokens went.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, k: int = 2, capacity_factor: float | None = 1.25,
-                 group=None, *, balance_coef: float = 1e-2, z_coef: float = 1e-3):
+                 group=None, *, balance_coef: float = 1e-2, z_coef: float = 1e-3, grouped_gemm: bool = False):
         super().__init__()
         self.dim, self.hidden = validation.positive_int("dim", dim), validation.positive_int("hidden", hidden)
         self.num_experts = validation.positive_int("num_experts", num_experts)
@@ -163,6 +166,7 @@ class MoELayer(nn.Module):
             validation.positive("capacity_factor", capacity_factor, hint="(or None: dropless)")
         validation.number("balance_coef", balance_coef, low=0)
         validation.number("z_coef", z_coef, low=0)
+        self.grouped_gemm = validation.boolean("grouped_gemm", grouped_gemm)
         self.k, self.capacity_factor, self.group = k, capacity_factor, group
         self.balance_coef, self.z_coef = float(balance_coef), float(z_coef)
         self.world_size, rank = 1, 0
@@ -185,7 +189,7 @@ class MoELayer(nn.Module):
         if not isinstance(layer, MoELayer) or layer.group is not None:
             raise ValueError("layer must be a single-process MoELayer (group=None)")
         new = cls(layer.dim, layer.hidden, layer.num_experts, layer.k, layer.capacity_factor, group,
-                  balance_coef=layer.balance_coef, z_coef=layer.z_coef)
+                  balance_coef=layer.balance_coef, z_coef=layer.z_coef, grouped_gemm=layer.grouped_gemm)
         new.gate = copy.deepcopy(layer.gate)
         mine = range(new.first_expert, new.first_expert + new.num_local_experts)
         new.experts = nn.ModuleList(copy.deepcopy(layer.experts[e]) for e in mine)
@@ -198,10 +202,11 @@ class MoELayer(nn.Module):
         r = route(self.gate(tokens), self.k, self.capacity_factor)
         token = r.token  # (K,)
         rows = tokens.index_select(0, token)  # (K, C): permuted by expert, once
+        mlp = grouped_gemm_mlp if self.grouped_gemm else grouped_mlp
         if self.group is None:
-            y = grouped_mlp(self.experts, rows, r.counts.tolist())  # (K, C)
+            y = mlp(self.experts, rows, r.counts.tolist())  # (K, C)
         else:
-            y = expert_parallel(self.experts, rows, r.counts, self.group)  # (K, C)
+            y = expert_parallel(self.experts, rows, r.counts, self.group, mlp)  # (K, C)
         gated = y * r.kept_gate.to(y.dtype)[:, None]  # (K, C)
         out = y.new_zeros(tokens.shape).index_add_(0, token, gated)  # (T, C): un-permuted, once
         self.routing = r.detach()

@@ -14,7 +14,7 @@ import torch
 from llmlab import bench, moe_bench, runtime
 from llmlab.dist import Grid
 from llmlab.moe import Expert, MoELayer, every_expert, loop_reference, route
-from llmlab.moe_dispatch import grouped_mlp
+from llmlab.moe_dispatch import grouped_gemm_mlp, grouped_mlp
 
 WORLD_SIZES = (2, 4)  # expert parallelism over ranks 0 … n-1 (group=None would mean a single-process layer)
 _groups: dict = {}  # on the ranks: world size → its dist.Grid
@@ -84,9 +84,38 @@ def test_grouped_dispatch_equals_every_expert_on_every_token(one_thread, k, capa
         torch.testing.assert_close(g, grads_ref[name], rtol=1e-12, atol=1e-12, msg=name)
 
 
-def test_layer_runs_under_bf16_autocast(one_thread):
+def _grouped_gemm_twin(layer):
+    twin = MoELayer(layer.dim, layer.hidden, layer.num_experts, layer.k, layer.capacity_factor, grouped_gemm=True)
+    twin.load_state_dict(layer.state_dict())
+    return twin.to(next(layer.parameters()).dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("capacity_factor", [None, 0.6])
+def test_grouped_gemm_layer_equals_the_per_expert_loop(one_thread, dtype, capacity_factor, seed=3):
+    torch.manual_seed(seed)
+    layer = MoELayer(5, 11, 7, 2, capacity_factor).to(dtype)  # odd sizes: C=5, H=11, E=7, T=2·29
+    x = torch.randn(2, 29, 5, dtype=dtype)
+    with torch.no_grad():  # expert 6 is never chosen (an empty group for the kernel): x₀ = 4, w₆₀ = −9
+        x[..., 0] = 4.0
+        layer.gate.weight[6, 0] = -9.0
+    kernel = _grouped_gemm_twin(layer)
+    y, grads = _grads(layer, x, lambda v: layer(v)[0])
+    y_k, grads_k = _grads(kernel, x, lambda v: kernel(v)[0])
+    assert kernel.routing.counts[6] == 0 and torch.equal(kernel.routing.kept, layer.routing.kept)
+    # the same products summed in other orders (the kernel's tiles against one matmul per expert): float64 ~1e-16
+    # relative; float32 ~2^-24 per addition over sums of ≤ T·k = 116 terms of size O(1): 1e-4 absolute leaves
+    # room, and a row through the wrong expert or a missing bias is O(1)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-4}[dtype]
+    torch.testing.assert_close(y_k, y, rtol=tol, atol=tol)
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_k[name], g, rtol=tol, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("grouped_gemm", [False, True])
+def test_layer_runs_under_bf16_autocast(one_thread, grouped_gemm):
     torch.manual_seed(0)
-    layer = MoELayer(16, 32, 4, 2, None)
+    layer = MoELayer(16, 32, 4, 2, None, grouped_gemm=grouped_gemm)
     x = torch.randn(40, 16)
     y32 = layer(x)[0].detach()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -179,6 +208,12 @@ def test_bad_arguments_are_refused_by_name():
         MoELayer(6, 10, 4, balance_coef=-1)
     with pytest.raises(ValueError, match=r"counts=\[3, 0, 3\] must give one count per expert \(3\) summing to the 7 "):
         grouped_mlp([Expert(3, 5)] * 3, torch.randn(7, 3), [3, 0, 3])
+    with pytest.raises(ValueError, match=r"counts=\[3, 0, 3\] must give one count per expert \(3\) summing to the 7 "):
+        grouped_gemm_mlp([Expert(3, 5)] * 3, torch.randn(7, 3), [3, 0, 3])
+    with pytest.raises(ValueError, match=r"counts=\[7\] must give one count per expert \(3\)"):
+        grouped_gemm_mlp([Expert(3, 5)] * 3, torch.randn(7, 3), [7])
+    with pytest.raises(ValueError, match="grouped_gemm=1 must be True or False"):
+        MoELayer(6, 10, 4, grouped_gemm=1)
 
 
 def _group(world):
@@ -188,7 +223,7 @@ def _group(world):
     return grid.dp_group if grid.member else False  # 4: the default group
 
 
-def _expert_parallel(world, capacity_factor):
+def _expert_parallel(world, capacity_factor, grouped_gemm):
     import torch.distributed as td
 
     from llmlab.dist import CommLog
@@ -198,7 +233,9 @@ def _expert_parallel(world, capacity_factor):
         return None
     rank = td.get_rank(group)
     full = _layer(2, capacity_factor)  # the same weights on every rank
+    full.grouped_gemm = grouped_gemm  # from_layer carries it to this rank's share
     layer = MoELayer.from_layer(full, group)
+    assert layer.grouped_gemm == grouped_gemm
     torch.manual_seed(100 + rank)
     x = torch.randn(13 + 3 * rank, 6, dtype=torch.float64, requires_grad=True)  # ranks hold different T
     with CommLog() as forward:
@@ -211,10 +248,11 @@ def _expert_parallel(world, capacity_factor):
             "drop_rate": layer.routing.drop_rate, "calls": (calls(forward), calls(backward))}
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 0.75])
-@pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_equals_the_single_process_layer(cluster, world, capacity_factor):
-    results = [r for r in cluster.run(_expert_parallel, world, capacity_factor) if r is not None]
+@pytest.mark.parametrize("world,capacity_factor,grouped_gemm", [(2, None, False), (2, 0.75, False), (4, None, False),
+                                                                 (4, 0.75, False), (2, 0.75, True)])
+def test_expert_parallel_equals_the_single_process_layer(cluster, world, capacity_factor, grouped_gemm):
+    # grouped_gemm: each rank's experts through the Triton kernel, against the single-process per-expert loop
+    results = [r for r in cluster.run(_expert_parallel, world, capacity_factor, grouped_gemm) if r is not None]
     assert [r["rank"] for r in results] == list(range(world))
     full = _layer(2, capacity_factor)
     expert_grads = {}
