@@ -24,7 +24,9 @@ loss), Zoph et al. 2022 (ST-MoE: the router z-loss). For T tokens x (T, C) and E
    expert (a stable argsort: priority order inside each expert); the tokens are permuted into that order once
    (one `index_select`), every projection is one segment matmul (expert e's weight on its block of consecutive
    rows, `llmlab.moe_dispatch.grouped_mlp`), and one `index_add` sums the gated results back into the tokens:
-   a loop over the E experts, never over tokens.
+   a loop over the E experts, never over tokens. `grouped_gemm=True` runs each projection instead as one launch
+   of the Triton grouped GEMM for every expert (`llmlab.moe_dispatch.grouped_gemm_mlp`,
+   `llmlab.kernels.grouped_gemm`), the same maths.
 5. **Expert parallelism** (`group=`, as in GShard): rank r of N owns experts r·E/N … (r+1)·E/N − 1; the router is
    replicated. Each rank routes its own tokens (capacity from its own T), then an all-to-all sends each rank the
    rows for its experts, they compute, and a second all-to-all brings the results home: two all-to-alls forward,
@@ -87,7 +89,7 @@ import torch.nn as nn
 
 from llmlab import moe_bench, runtime, validation
 from llmlab.moe_bench import fwd_bwd
-from llmlab.moe_dispatch import expert_parallel, grouped_mlp
+from llmlab.moe_dispatch import expert_parallel, grouped_gemm_mlp, grouped_mlp
 from llmlab.timing import compare
 
 __all__ = ["BALANCE", "SCORES", "Expert", "Routing", "route", "MoELayer", "loop_reference", "every_expert", "bench"]
@@ -189,13 +191,15 @@ class MoELayer(nn.Module):
     `balance` (one of BALANCE) and `scores` (one of SCORES) choose the balancing and the scores (steps 2 and 6);
     `balance_coef` (α) and `z_coef` weigh the balance loss and z-loss in aux_loss, `bias_rate` is γ of
     `update_bias()`. `granularity` m and `shared` s split the experts (step 7): `routed_experts` = m·E − s experts
-    of hidden `expert_hidden` = hidden/m, `routed_k` = m·k − s per token, and `shared_experts`. After a forward,
-    `self.routing` (a detached `Routing`) says where the tokens went.
+    of hidden `expert_hidden` = hidden/m, `routed_k` = m·k − s per token, and `shared_experts`. `grouped_gemm=True`:
+    the routed experts' projections through the Triton grouped GEMM, one launch each for all of them (else one
+    matmul per expert; step 4). After a forward, `self.routing` (a detached `Routing`) says where the tokens went.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, k: int = 2, capacity_factor: float | None = 1.25,
                  group=None, *, balance: str = "aux-loss", scores: str = "softmax", balance_coef: float = 1e-2,
-                 z_coef: float = 1e-3, bias_rate: float = 1e-3, granularity: int = 1, shared: int = 0):
+                 z_coef: float = 1e-3, bias_rate: float = 1e-3, granularity: int = 1, shared: int = 0,
+                 grouped_gemm: bool = False):
         super().__init__()
         self.dim, self.hidden = validation.positive_int("dim", dim), validation.positive_int("hidden", hidden)
         self.num_experts = validation.positive_int("num_experts", num_experts)
@@ -214,6 +218,7 @@ class MoELayer(nn.Module):
         self.shared = validation.integer("shared", shared, 0, granularity * k - 1,
                                          hint="(shared experts take that many of the granularity·k slots: one "
                                               "must stay routed)")
+        self.grouped_gemm = validation.boolean("grouped_gemm", grouped_gemm)
         self.k, self.capacity_factor, self.group = k, capacity_factor, group
         self.balance_coef, self.z_coef, self.bias_rate = float(balance_coef), float(z_coef), float(bias_rate)
         self.expert_hidden = hidden // granularity
@@ -249,7 +254,8 @@ class MoELayer(nn.Module):
             raise ValueError("layer must be a single-process MoELayer (group=None)")
         new = cls(layer.dim, layer.hidden, layer.num_experts, layer.k, layer.capacity_factor, group,
                   balance=layer.balance, scores=layer.scores, balance_coef=layer.balance_coef, z_coef=layer.z_coef,
-                  bias_rate=layer.bias_rate, granularity=layer.granularity, shared=layer.shared)
+                  bias_rate=layer.bias_rate, granularity=layer.granularity, shared=layer.shared,
+                  grouped_gemm=layer.grouped_gemm)
         new.gate, new.shared_experts = copy.deepcopy(layer.gate), copy.deepcopy(layer.shared_experts)
         if layer.expert_bias is not None:
             new.expert_bias = layer.expert_bias.clone()  # its dtype too (a copy_ would keep the new float32)
@@ -269,10 +275,11 @@ class MoELayer(nn.Module):
         r = self.router(tokens)
         token = r.token  # (K,)
         rows = tokens.index_select(0, token)  # (K, C): permuted by expert, once
+        mlp = grouped_gemm_mlp if self.grouped_gemm else grouped_mlp
         if self.group is None:
-            y = grouped_mlp(self.experts, rows, r.counts.tolist())  # (K, C)
+            y = mlp(self.experts, rows, r.counts.tolist())  # (K, C)
         else:
-            y = expert_parallel(self.experts, rows, r.counts, self.group)  # (K, C)
+            y = expert_parallel(self.experts, rows, r.counts, self.group, mlp)  # (K, C)
         gated = y * r.kept_gate.to(y.dtype)[:, None]  # (K, C)
         base = y.new_zeros(tokens.shape) if self.shared_experts is None else self.shared_experts(tokens)  # (T, C)
         out = base.index_add_(0, token, gated)  # (T, C): un-permuted, once
