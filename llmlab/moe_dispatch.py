@@ -27,7 +27,8 @@ Triton is imported on the first such call, not with this module (`import llmlab.
 
 Expert parallelism (`expert_parallel`): the rows, grouped by global expert, go to the ranks owning their experts
 in one all-to-all (`AllToAll`, llmlab's point-to-point `dist.all_to_all`), are grouped there by local expert, run
-through `grouped_mlp` (or `grouped_gemm_mlp`), and come home in a second all-to-all; backward is the reverse all-to-all of each.
+through `grouped_mlp` (or `grouped_gemm_mlp`), and come home in a second all-to-all; backward is the reverse
+all-to-all of each.
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ import math
 import pytest
 import torch
 
-from llmlab import bench, moe_bench, runtime
+from llmlab import bench, moe, moe_bench, runtime
 from llmlab.dist import Grid
 from llmlab.moe import Expert, MoELayer, every_expert, loop_reference, route
 from llmlab.moe_dispatch import grouped_gemm_mlp, grouped_mlp
+from llmlab.timing import Comparison, Timing
 
 WORLD_SIZES = (2, 4)  # expert parallelism over ranks 0 … n-1 (group=None would mean a single-process layer)
 _groups: dict = {}  # on the ranks: world size → its dist.Grid
@@ -478,6 +479,44 @@ def test_moe_bench_rows_follow_the_table_convention(one_thread, cluster):
     json.dumps(bench.record("moe", rows))  # the record is serialisable
     drops = [row["drop_rate"] for row in rows if "drop_rate" in row]
     assert len(drops) == 4 and drops == sorted(drops, reverse=True)
+
+
+def test_moe_bench_sets_no_target_on_the_cpu(one_thread, cluster):
+    rows = bench.get("moe")(sizes=dict(dim=16, hidden=32, experts=4, tokens=64), cluster=cluster)
+    equal = rows[1]
+    assert equal["peer"] == "dense MLP hidden=64 (equal active FLOPs)" and equal["experts"] == "one matmul per expert"
+    assert equal["target"] == "none on the CPU (reported only)" and "meets" not in equal
+    assert all("target" not in row for row in rows if row is not equal)
+
+
+def test_moe_bench_names_its_gpu_target_under_smoke_mode(one_thread, cluster, monkeypatch):
+    # the GPU tier's bench on the CPU standing in (LLMLAB_GPU_SMOKE): the target named, not judged on a stand-in;
+    # the experts stay on one matmul each (the interpreter would run the grouped GEMM at seconds a step)
+    monkeypatch.setattr(runtime, "tier", lambda: runtime.Tier("gpu-smoke", 1, runtime.SMOKE_GPU_NAME, smoke=True))
+    rows = bench.get("moe")(sizes=dict(dim=16, hidden=32, experts=4, tokens=64), cluster=cluster)
+    assert len(rows) == 10 and all(row["experts"] == "one matmul per expert" for row in rows[:3])
+    assert rows[1]["target"] == "≤ 1.15× on a GPU" and rows[1]["meets"].startswith("not judged: a CPU stands in")
+    json.dumps(bench.record("moe", rows))
+
+
+def _comparison(ratios):
+    """A Comparison whose rounds had these ratios (the peer 1 ms every round)."""
+    return Comparison(Timing.from_samples([1e-3 * r for r in ratios]), Timing.from_samples([1e-3] * len(ratios)),
+                      tuple(ratios))
+
+
+def test_the_speed_target_is_judged_on_a_gpu_by_the_rounds_quartiles():
+    gpu, cuda = runtime.Tier("gpu", 1, "H100"), torch.device("cuda")
+    met = {name: moe.speed_target(_comparison(ratios), gpu, cuda)["meets"] for name, ratios in (
+        ("below", [1.02, 1.05, 1.08, 1.1, 1.12]), ("above", [1.17, 1.2, 1.22, 1.3, 1.4]),
+        ("across", [1.05, 1.1, 1.14, 1.18, 1.25]), ("one slow round", [1.0, 1.01, 1.02, 1.03, 2.0]))}
+    assert moe.GPU_TARGET == 1.15
+    assert met == {"below": "yes", "above": "no", "across": "not conclusive", "one slow round": "yes"}
+    on_cpu = moe.speed_target(_comparison([0.5] * 5), runtime.Tier("cpu", 0, None), torch.device("cpu"))
+    assert on_cpu == {"target": "none on the CPU (reported only)"}  # not judged, however fast
+    stand_in = moe.speed_target(_comparison([0.5] * 5), runtime.Tier("gpu-smoke", 1, runtime.SMOKE_GPU_NAME,
+                                                                     smoke=True), torch.device("cpu"))
+    assert stand_in["meets"].startswith("not judged")
 
 
 def test_bench_sizes_follow_the_tier_and_smoke_mode(monkeypatch):
