@@ -41,29 +41,31 @@ from llmlab.dist.commlog import scope
 __all__ = ["grouped_mlp", "grouped_gemm_mlp", "AllToAll", "expert_parallel"]
 
 
-def grouped_mlp(experts, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """`experts` (a sequence of `llmlab.moe.Expert`) on `rows` (K, C) grouped by expert: expert e on the next
-    counts[e] rows. One segment matmul per projection: each expert's matmuls on its own block, a view of `rows`."""
+def _check_counts(experts, rows: torch.Tensor, counts: list[int]) -> None:
     if sum(counts) != rows.shape[0] or len(counts) != len(experts):
         raise ValueError(f"counts={counts} must give one count per expert ({len(experts)}) summing to the "
                          f"{rows.shape[0]} rows")
+
+
+def grouped_mlp(experts, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """`experts` (a sequence of `llmlab.moe.Expert`) on `rows` (K, C) grouped by expert: expert e on the next
+    counts[e] rows. One segment matmul per projection: each expert's matmuls on its own block, a view of `rows`."""
+    _check_counts(experts, rows, counts)
     return torch.cat([expert(block) for expert, block in zip(experts, rows.split(counts), strict=True)])  # (K, C)
 
 
-def grouped_gemm_mlp(experts, rows: torch.Tensor, counts) -> torch.Tensor:
+def grouped_gemm_mlp(experts, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """`grouped_mlp` through the Triton grouped GEMM: both projections of every expert, each in one launch
-    (`llmlab.kernels.grouped_gemm.grouped_linear`, differentiable). `counts` (E,): a tensor or a list. Under
-    autocast the rows and weights are cast to its dtype, as autocast casts an `nn.Linear`'s."""
+    (`llmlab.kernels.grouped_gemm.grouped_linear`, differentiable). `counts` as `grouped_mlp`'s, checked on the host
+    (no synchronisation: the offsets are copied to the device once). Under autocast the rows and weights are cast
+    to its dtype, as autocast casts an `nn.Linear`'s."""
     # imported here, the one place that needs it: `import llmlab.moe` must not import triton (half a second)
     from llmlab.kernels.grouped_gemm import grouped_linear
 
-    counts = torch.as_tensor(counts, device=rows.device)  # (E,)
-    if counts.dim() != 1 or counts.numel() != len(experts) or counts.sum().item() != rows.shape[0]:
-        raise ValueError(f"counts={counts.tolist()} must give one count per expert ({len(experts)}) summing to the "
-                         f"{rows.shape[0]} rows")
+    _check_counts(experts, rows, counts)
     where = rows.device.type
     dtype = torch.get_autocast_dtype(where) if torch.is_autocast_enabled(where) else rows.dtype
-    offsets = counts.cumsum(0).to(torch.int32)  # (E,) end row of each expert's block
+    offsets = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(rows.device, torch.int32)  # (E,) block ends
 
     def linear(x, name):  # x (K, in) -> (K, out): every expert's nn.Linear `name` on its own rows
         w = torch.stack([getattr(e, name).weight for e in experts]).to(dtype).transpose(1, 2)  # (E, in, out) view
