@@ -74,7 +74,7 @@ collapses onto a few experts, Shazeer et al. 2017 §4).
 
 Claim C20 (active parameters per token) is measured in `llmlab.claims.ch08`; `llmlab bench moe` (`bench`, its
 timing pieces in `llmlab.moe_bench`) times the layer against dense MLPs, the snippet, the loop, and expert-parallel
-on gloo ranks.
+on gloo ranks; on a GPU it judges the target `GPU_TARGET` (≤ 1.15× the dense MLP of equal active FLOPs).
 """
 
 from __future__ import annotations
