@@ -24,7 +24,9 @@ loss), Zoph et al. 2022 (ST-MoE: the router z-loss). For T tokens x (T, C) and E
    expert (a stable argsort: priority order inside each expert); the tokens are permuted into that order once
    (one `index_select`), every projection is one segment matmul (expert e's weight on its block of consecutive
    rows, `llmlab.moe_dispatch.grouped_mlp`), and one `index_add` sums the gated results back into the tokens:
-   a loop over the E experts, never over tokens.
+   a loop over the E experts, never over tokens. `grouped_gemm=True` runs each projection instead as one launch
+   of the Triton grouped GEMM for every expert (`llmlab.moe_dispatch.grouped_gemm_mlp`,
+   `llmlab.kernels.grouped_gemm`), the same maths.
 5. **Expert parallelism** (`group=`, as in GShard): rank r of N owns experts r·E/N … (r+1)·E/N − 1; the router is
    replicated. Each rank routes its own tokens (capacity from its own T), then an all-to-all sends each rank the
    rows for its experts, they compute, and a second all-to-all brings the results home: two all-to-alls forward,
@@ -72,7 +74,7 @@ collapses onto a few experts, Shazeer et al. 2017 §4).
 
 Claim C20 (active parameters per token) is measured in `llmlab.claims.ch08`; `llmlab bench moe` (`bench`, its
 timing pieces in `llmlab.moe_bench`) times the layer against dense MLPs, the snippet, the loop, and expert-parallel
-on gloo ranks.
+on gloo ranks; on a GPU it judges the target `GPU_TARGET` (≤ 1.15× the dense MLP of equal active FLOPs).
 """
 
 from __future__ import annotations
@@ -87,10 +89,11 @@ import torch.nn as nn
 
 from llmlab import moe_bench, runtime, validation
 from llmlab.moe_bench import fwd_bwd
-from llmlab.moe_dispatch import expert_parallel, grouped_mlp
+from llmlab.moe_dispatch import expert_parallel, grouped_gemm_mlp, grouped_mlp
 from llmlab.timing import compare
 
-__all__ = ["BALANCE", "SCORES", "Expert", "Routing", "route", "MoELayer", "loop_reference", "every_expert", "bench"]
+__all__ = ["BALANCE", "SCORES", "GPU_TARGET", "Expert", "Routing", "route", "MoELayer", "loop_reference",
+           "every_expert", "speed_target", "bench"]
 
 BALANCE = ("aux-loss", "bias", "none")  # how the layer keeps its experts' loads even (steps 2 and 6)
 SCORES = ("softmax", "sigmoid")  # how the router turns logits into scores (steps 1 and 6)
@@ -189,13 +192,15 @@ class MoELayer(nn.Module):
     `balance` (one of BALANCE) and `scores` (one of SCORES) choose the balancing and the scores (steps 2 and 6);
     `balance_coef` (α) and `z_coef` weigh the balance loss and z-loss in aux_loss, `bias_rate` is γ of
     `update_bias()`. `granularity` m and `shared` s split the experts (step 7): `routed_experts` = m·E − s experts
-    of hidden `expert_hidden` = hidden/m, `routed_k` = m·k − s per token, and `shared_experts`. After a forward,
-    `self.routing` (a detached `Routing`) says where the tokens went.
+    of hidden `expert_hidden` = hidden/m, `routed_k` = m·k − s per token, and `shared_experts`. `grouped_gemm=True`:
+    the routed experts' projections through the Triton grouped GEMM, one launch each for all of them (else one
+    matmul per expert; step 4). After a forward, `self.routing` (a detached `Routing`) says where the tokens went.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, k: int = 2, capacity_factor: float | None = 1.25,
                  group=None, *, balance: str = "aux-loss", scores: str = "softmax", balance_coef: float = 1e-2,
-                 z_coef: float = 1e-3, bias_rate: float = 1e-3, granularity: int = 1, shared: int = 0):
+                 z_coef: float = 1e-3, bias_rate: float = 1e-3, granularity: int = 1, shared: int = 0,
+                 grouped_gemm: bool = False):
         super().__init__()
         self.dim, self.hidden = validation.positive_int("dim", dim), validation.positive_int("hidden", hidden)
         self.num_experts = validation.positive_int("num_experts", num_experts)
@@ -214,6 +219,7 @@ class MoELayer(nn.Module):
         self.shared = validation.integer("shared", shared, 0, granularity * k - 1,
                                          hint="(shared experts take that many of the granularity·k slots: one "
                                               "must stay routed)")
+        self.grouped_gemm = validation.boolean("grouped_gemm", grouped_gemm)
         self.k, self.capacity_factor, self.group = k, capacity_factor, group
         self.balance_coef, self.z_coef, self.bias_rate = float(balance_coef), float(z_coef), float(bias_rate)
         self.expert_hidden = hidden // granularity
@@ -249,7 +255,8 @@ class MoELayer(nn.Module):
             raise ValueError("layer must be a single-process MoELayer (group=None)")
         new = cls(layer.dim, layer.hidden, layer.num_experts, layer.k, layer.capacity_factor, group,
                   balance=layer.balance, scores=layer.scores, balance_coef=layer.balance_coef, z_coef=layer.z_coef,
-                  bias_rate=layer.bias_rate, granularity=layer.granularity, shared=layer.shared)
+                  bias_rate=layer.bias_rate, granularity=layer.granularity, shared=layer.shared,
+                  grouped_gemm=layer.grouped_gemm)
         new.gate, new.shared_experts = copy.deepcopy(layer.gate), copy.deepcopy(layer.shared_experts)
         if layer.expert_bias is not None:
             new.expert_bias = layer.expert_bias.clone()  # its dtype too (a copy_ would keep the new float32)
@@ -269,10 +276,11 @@ class MoELayer(nn.Module):
         r = self.router(tokens)
         token = r.token  # (K,)
         rows = tokens.index_select(0, token)  # (K, C): permuted by expert, once
+        mlp = grouped_gemm_mlp if self.grouped_gemm else grouped_mlp
         if self.group is None:
-            y = grouped_mlp(self.experts, rows, r.counts.tolist())  # (K, C)
+            y = mlp(self.experts, rows, r.counts.tolist())  # (K, C)
         else:
-            y = expert_parallel(self.experts, rows, r.counts, self.group)  # (K, C)
+            y = expert_parallel(self.experts, rows, r.counts, self.group, mlp)  # (K, C)
         gated = y * r.kept_gate.to(y.dtype)[:, None]  # (K, C)
         base = y.new_zeros(tokens.shape) if self.shared_experts is None else self.shared_experts(tokens)  # (T, C)
         out = base.index_add_(0, token, gated)  # (T, C): un-permuted, once
@@ -347,12 +355,34 @@ def every_expert(layer: MoELayer):
     return forward
 
 
+# issue 30: on a GPU, the dropless layer's training step ≤ 1.15× the dense MLP's of equal active FLOPs; the CPU
+# tier reports the ratio and sets no target (two cores run E small matmuls slower than one large one, whatever the
+# kernel: `llmlab.moe_dispatch`'s docstring)
+GPU_TARGET = 1.15
+
+
+def speed_target(c, tier: runtime.Tier, device: torch.device) -> dict:
+    """The target fields of the bench's equal-FLOPs row, from its Comparison `c` (layer / dense MLP): on a GPU the
+    target and `meets` — 'yes' when the ratio's interquartile range lies below GPU_TARGET, 'no' above it, else 'not
+    conclusive'; on smoke mode's CPU stand-in the target, not judged; on the CPU tier no target."""
+    if not tier.is_gpu:
+        return {"target": "none on the CPU (reported only)"}
+    if device.type != "cuda":
+        return {"target": f"≤ {GPU_TARGET}× on a GPU", "meets": "not judged: a CPU stands in for the GPU (smoke)"}
+    met = {"faster": "yes", "slower": "no"}.get(c.direction(GPU_TARGET), "not conclusive")
+    return {"target": f"≤ {GPU_TARGET}× on a GPU", "meets": met}
+
+
 def bench(sizes: dict | None = None, cluster=None) -> list[dict]:
     """Grouped top-2 MoE forward+backward vs dense MLPs (and the experts alone, without routing or permutation: the
     layer's floor), vs every expert on every token, time and drop rate per capacity factor, expert-parallel on gloo
     ranks (`cluster`, see `moe_bench.expert_parallel_row`) vs the single-process layer, and vs the per-token loop
     at a small size. `sizes` overrides dim, hidden, experts,
     tokens (`moe_bench.sizes`: this tier's; tiny under smoke mode).
+
+    On a GPU the experts run on the Triton grouped GEMM (`grouped_gemm=True`; a row compares it with one matmul
+    per expert), and the equal-FLOPs row carries `GPU_TARGET` and whether it `meets` it
+    (`speed_target`); on the CPU they run one matmul per expert and that row says it has no target.
 
     Each row is one `llmlab.timing.compare` (the layer and its peer interleaved round by round): the ratio of
     their times with its spread and the load, `direction` ("faster", "slower" or "not conclusive": the layer
@@ -363,29 +393,40 @@ def bench(sizes: dict | None = None, cluster=None) -> list[dict]:
     C, H, E, T, k = s["dim"], s["hidden"], s["experts"], s["tokens"], 2
     torch.manual_seed(0)
     x = torch.randn(T, C, device=device, requires_grad=True)
-    dropless = MoELayer(C, H, E, k, None).to(device)
+    # the compiled kernel on a GPU; not on smoke mode's stand-in, which would interpret it at seconds a step (a
+    # program costs the interpreter ~0.1 s: chapter 8's size would take hours)
+    kernel = device.type == "cuda"
+    dropless = MoELayer(C, H, E, k, None, grouped_gemm=kernel).to(device)
     size = f"T={T} C={C} H={H} E={E} k={k}"
+    experts = "Triton grouped GEMM" if kernel else "one matmul per expert"
 
-    def timed(impl, peer, v=x) -> dict:
+    def timed(impl, peer, v=x, judged=False) -> dict:
         # rounds of ≥ 20 ms: several calls each, so a moment of other work on the machine averages out
-        r = compare(fwd_bwd(impl, v), fwd_bwd(peer, v), device=device, warmup=2, min_rounds=7, min_round_s=0.02)
-        return {**r.row(), "direction": r.direction() if r.conclusive else "not conclusive", "note": r.note()}
+        c = compare(fwd_bwd(impl, v), fwd_bwd(peer, v), device=device, warmup=2, min_rounds=7, min_round_s=0.02)
+        return {**c.row(), "direction": c.direction() if c.conclusive else "not conclusive", "note": c.note(),
+                **(speed_target(c, runtime.tier(), device) if judged else {})}
 
-    for _ in range(3):  # the process's first steps pay for thread-pool start and allocator growth
+    for _ in range(3):  # the process's first steps pay for thread-pool start and allocator growth (and compiling)
         fwd_bwd(dropless, x)()
     rows = []
     for hidden, why, ideal in ((H, "1 expert's params", k), (k * H, "equal active FLOPs", 1)):
-        r = timed(dropless, Expert(C, hidden).to(device))
+        r = timed(dropless, Expert(C, hidden).to(device), judged=ideal == 1)
         rows.append({"impl": "MoE grouped, dropless", "peer": f"dense MLP hidden={hidden} ({why})", "size": size,
-                     **r, "ideal": ideal, "tokens_per_s": T / r["impl_ms"] * 1e3})
-    dropless(x)  # the experts' floor: their segment matmuls alone, on rows already grouped by this routing
+                     "experts": experts, **r, "ideal": ideal, "tokens_per_s": T / r["impl_ms"] * 1e3})
+    dropless(x)  # the experts' floor: their projections alone, on rows already grouped by this routing
     grouped = x.detach().index_select(0, dropless.routing.token).requires_grad_()  # (K, C)
     counts = dropless.routing.counts.tolist()
-    r = timed(lambda _: grouped_mlp(dropless.experts, grouped, counts), Expert(C, H).to(device))
+    mlp = grouped_gemm_mlp if kernel else grouped_mlp
+    r = timed(lambda _: mlp(dropless.experts, grouped, counts), Expert(C, H).to(device))
     rows.append({"impl": "experts alone (rows pre-grouped)", "peer": f"dense MLP hidden={H} (1 expert's params)",
-                 "size": size, **r, "ideal": k})
+                 "size": size, "experts": experts, **r, "ideal": k})
     rows.append({"impl": "MoE grouped, dropless", "peer": "every expert on every token (snippet)", "size": size,
                  **timed(dropless, every_expert(dropless)), "ideal": k / E})
+    if kernel:  # what the kernel buys: the same layer with one matmul per expert
+        looped = copy.deepcopy(dropless)
+        looped.grouped_gemm = False
+        rows.append({"impl": "MoE grouped, dropless (Triton grouped GEMM)", "peer": "the same, one matmul per expert",
+                     "size": size, **timed(dropless, looped), "ideal": 1})
     for cf in (0.5, 1.0, 1.25, 2.0):
         layer = copy.deepcopy(dropless)
         layer.capacity_factor = cf

@@ -68,13 +68,13 @@ GROUPS = {  # group sizes: rows of X per group, in order
 
 @pytest.mark.parametrize("dtype", gg.DTYPES, ids=str)
 @pytest.mark.parametrize("sizes", GROUPS.values(), ids=GROUPS.keys())
-def test_forward_and_weight_grad_match_float64(sizes, dtype):
+def test_forward_and_weight_grad_match_float64(sizes, dtype, seed=0):
     k, n = 37, 29  # odd, neither a multiple of the block
-    x, w, b = operands(sizes, k, n, dtype)
+    x, w, b = operands(sizes, k, n, dtype, seed)
     offsets = ends(sizes)
     y = gg.grouped_mm(x, w, offsets, b, out=poisoned(x.shape[0], n, dtype))
     assert_grouped_close(y, x, w, offsets, b)
-    dy = torch.randn(x.shape[0], n).to(dtype)
+    dy = torch.randn(x.shape[0], n, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     dw = gg.grouped_weight_grad(x, dy, offsets, out=torch.full((len(sizes), k, n), float("nan"), dtype=dtype))
     assert_wgrad_close(dw, x, dy, offsets)
 
@@ -104,22 +104,22 @@ def test_strided_inputs_and_the_transposed_weights_of_backward(dtype):
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_equals_torch_grouped_mm(dtype):
+def test_equals_torch_grouped_mm(dtype, seed=0):
     # torch's own grouped GEMM (offsets in the same convention; it wants rows of 16-byte multiples): an independent
     # implementation, forward and weight gradient. Both accumulate in fp32 and round once to dtype; they may differ
     # by the accumulation order (fp32: ~K·2^-24 relative) and, in bf16, by one rounding of the result (2^-8)
-    x, w, _ = operands([9, 0, 40, 15], 24, 40, dtype)
-    offsets, dy = ends([9, 0, 40, 15]), torch.randn(64, 40).to(dtype)
+    x, w, _ = operands([9, 0, 40, 15], 24, 40, dtype, seed)
+    offsets, dy = ends([9, 0, 40, 15]), torch.randn(64, 40, generator=torch.Generator().manual_seed(seed)).to(dtype)
     tol = {torch.float32: 1e-5, torch.bfloat16: 2 * 2.0**-8}[dtype]
     for ours, theirs in ((gg.grouped_mm(x, w, offsets), torch._grouped_mm(x, w, offs=offsets)),
                          (gg.grouped_weight_grad(x, dy, offsets), torch._grouped_mm(x.T, dy, offs=offsets))):
         torch.testing.assert_close(ours.float(), theirs.float(), rtol=tol, atol=tol * theirs.float().abs().max())
 
 
-def test_grouped_linear_trains_like_the_loop_of_matmuls():
+def test_grouped_linear_trains_like_the_loop_of_matmuls(seed=0):
     # float64: dX = dY·Wᵀ (the forward kernel on transposed strides), dW by the second kernel, db by a segment sum,
     # against autograd through the plain loop; both sum the same products in other orders: ~1e-16 relative
-    x, w, b = operands([5, 0, 38, 1], 13, 11, torch.float64)
+    x, w, b = operands([5, 0, 38, 1], 13, 11, torch.float64, seed)
     offsets = ends([5, 0, 38, 1])
     grads = []
     for fn in (gg.grouped_linear, gg.reference):
@@ -132,23 +132,23 @@ def test_grouped_linear_trains_like_the_loop_of_matmuls():
     assert grads[0][2][1].abs().max() == 0 and grads[0][3][1].abs().max() == 0  # the empty group's: exactly 0
 
 
-def test_gradcheck():
+def test_gradcheck(seed=0):
     # backward against finite differences of forward, float64 (gradcheck's eps 1e-6, tolerance 1e-5); fast mode
     # checks the Jacobian along random directions (vᵀJu), 2 forwards per input instead of 2 per element
-    x, w, b = (t.requires_grad_() for t in operands([2, 0, 3, 2], 3, 4, torch.float64))
+    x, w, b = (t.requires_grad_() for t in operands([2, 0, 3, 2], 3, 4, torch.float64, seed))
     assert torch.autograd.gradcheck(lambda *a: gg.grouped_linear(*a[:2], ends([2, 0, 3, 2]), a[2]), (x, w, b),
                                     fast_mode=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_float32_and_float16_gradients(dtype):
+def test_float32_and_float16_gradients(dtype, seed=0):
     # the backward's three products against float64, each within the GEMM's bound for its inputs (which are dY,
     # X and W already rounded to dtype)
-    x, w, b = operands([17, 0, 40], 21, 35, dtype)
+    x, w, b = operands([17, 0, 40], 21, 35, dtype, seed)
     offsets = ends([17, 0, 40])
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
     y = gg.grouped_linear(*leaves[:2], offsets, leaves[2])
-    dy = torch.randn_like(y)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)  # (M, N)
     y.backward(dy)
     assert_grouped_close(leaves[0].grad, dy, w.transpose(1, 2), offsets)
     assert_wgrad_close(leaves[1].grad, x, dy, offsets)

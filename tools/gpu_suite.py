@@ -9,8 +9,8 @@ The parts, in this order (GPU timings first, while nothing else runs on the card
 
     doctor    `llmlab doctor`: tier, versions, devices, speed, an all-reduce, a Triton kernel
     pytest    the tests marked `gpu` (`pytest -m gpu` over the test files that carry the mark)
-    bench     gemm, precision, checkpoint, compress, quant, moe, zero, allreduce (NCCL on the GPUs the node has):
-              each writes its JSON record, device named, to OUT/results/NAME-DEVICE.json
+    bench     gemm, attention, grouped_gemm, precision, checkpoint, compress, quant, moe, zero, allreduce (NCCL on
+              the GPUs the node has): each writes its JSON record, device named, to OUT/results/NAME-DEVICE.json
     chapters  every chapter executed on this tier as `llmlab site` does, several at once, pages in OUT/pages/
 
 Each part runs in a process group of its own with its own limit (`LIMITS`) and never past the whole run's
@@ -53,9 +53,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("doctor", "pytest", "bench", "chapters")
-BENCHES = ("gemm", "attention", "precision", "checkpoint", "compress", "quant", "moe", "zero", "allreduce")
+BENCHES = ("gemm", "attention", "grouped_gemm", "precision", "checkpoint", "compress", "quant", "moe", "zero",
+           "allreduce")
 # seconds each piece may take at most (a bench or a chapter is one piece): compilation and autotuning included
-LIMITS = {"doctor": 90, "pytest": 150, "bench": 75, "bench gemm": 150, "chapter": 180, "install": 240}
+LIMITS = {"doctor": 90, "pytest": 150, "bench": 75, "bench gemm": 150, "bench grouped_gemm": 150, "chapter": 180,
+          "install": 240}
 NODE_HAS = ("torch", "triton", "numpy")  # never carried: the node's own builds (CUDA) must stay
 # what the parts import, checked once installed; jupyter_core.paths needs platformdirs, which nbconvert's import of
 # its exporters swallows when missing
