@@ -279,13 +279,11 @@ class UnwrittenLSQ(torch.autograd.Function):
 
 
 def test_lsq_is_not_attempted_at_once_with_either_part_unwritten(capsys, monkeypatch):
-    drawn = []  # "at once": the first case tells, none after it (a wall-clock bound of 1 s failed at load 30)
-    draw = ch08_lsq.lsq_inputs
-    monkeypatch.setattr(ch08_lsq, "lsq_inputs", lambda *a, **k: drawn.append(a) or draw(*a, **k))
+    taken = cases_taken(monkeypatch, ch08_lsq)
     for answers in ((UnwrittenLSQ, unwritten), (UnwrittenLSQ, lsq_init_step), (lsq_function(), unwritten)):
-        drawn.clear()
+        taken.clear()
         not_attempted(ch08.lsq, *answers, capsys=capsys)
-        assert len(drawn) <= 1, (answers, len(drawn))
+        assert len(taken) <= 1, (answers, len(taken))
 
 
 @pytest.mark.parametrize("signed", [True, False])
