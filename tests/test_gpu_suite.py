@@ -4,6 +4,8 @@ The suite itself runs in CI in its CPU mode (`make gpu-suite-cpu`, .ci/run) and 
 """
 
 import importlib.util
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,3 +62,14 @@ def test_the_gpu_tests_it_runs_carry_the_mark():
     assert "tests/test_hardware.py" in files and "tests/test_memory_measure.py" in files
     # a file that only mentions the mark in a string (a notebook cell it writes) is not one of them
     assert "tests/test_notebook_harness.py" not in files and "tests/test_gpu_suite.py" not in files
+
+
+def test_the_gpu_tests_it_runs_are_collected(tmp_path):
+    # the suite's own command, as CI's `make gpu-suite-cpu` runs it, only collecting: a test file that imports a
+    # helper from another (importlib mode puts no test folder on sys.path) once broke the whole part
+    argv, env = suite.pytest_command(dict(os.environ, LLMLAB_GPU_SMOKE="2"))
+    done = subprocess.run([*argv, "--collect-only"], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    last = done.stdout.splitlines()[-1]  # "15/230 tests collected (215 deselected) in 1.62s"
+    assert "error" not in last and " collected" in last and not last.startswith("0/")

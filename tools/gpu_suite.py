@@ -222,6 +222,20 @@ def _gpu_test_files() -> list[str]:
                   if _GPU_MARK.search(p.read_text()))  # fmt: skip
 
 
+def pytest_command(env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The `pytest -m gpu` command over the marked test files, and its environment.
+
+    --import-mode=importlib: pytest puts no folder of the checkout on sys.path, so with wheels the installed llmlab
+    is found, not the checkout's. Test files import helpers from each other (`from test_kernels_gemm import ...`),
+    so tests/ alone goes on PYTHONPATH: it holds no llmlab.
+    """
+    argv = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
+            "-p", "no:nbval", "--rootdir", str(ROOT), "--import-mode=importlib",
+            *[str(ROOT / f) for f in _gpu_test_files()]]
+    path = os.pathsep.join(filter(None, [str(ROOT / "tests"), env.get("PYTHONPATH", "")]))
+    return argv, dict(env, PYTHONPATH=path)
+
+
 def part_chapters(out: Path, clock: Clock, jobs: int, env: dict[str, str], cwd: Path) -> list[Outcome]:
     """Every chapter as `llmlab site` builds it, `jobs` at once, each in its own boxed process."""
     chapters = sorted((ROOT / "chapters").glob("[0-9]*.ipynb"))
@@ -272,12 +286,9 @@ def run_suite(out: Path, parts: list[str], budget: float, jobs: int, smoke: bool
         outcomes.append(run_boxed("doctor", [sys.executable, "-m", "llmlab.cli", "doctor"],
                                   clock.allow(LIMITS["doctor"]), logs / "doctor.log", env, cwd))  # fmt: skip
     if "pytest" in parts:
-        # --import-mode=importlib: pytest puts no test folder on sys.path, so the installed llmlab is found
-        argv = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-o", "addopts=", "-p", "no:cacheprovider",
-                "-p", "no:nbval", "--rootdir", str(ROOT), "--import-mode=importlib",
-                *[str(ROOT / f) for f in _gpu_test_files()]]
-        outcomes.append(run_boxed("pytest -m gpu", argv, clock.allow(LIMITS["pytest"]), logs / "pytest.log", env,
-                                  cwd))  # fmt: skip
+        argv, pytest_env = pytest_command(env)
+        outcomes.append(run_boxed("pytest -m gpu", argv, clock.allow(LIMITS["pytest"]), logs / "pytest.log",
+                                  pytest_env, cwd))  # fmt: skip
     if "bench" in parts:
         outcomes += part_benches(out, clock, slug, env, cwd, benches)
     if "chapters" in parts:
