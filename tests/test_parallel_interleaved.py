@@ -99,7 +99,8 @@ T_SEND, JITTER = 0.0015, 0.02
 
 def _t_send_of(measured, p, m, limit=0.05) -> float:
     """The t_send at which the simulated 1F1B bubble (p stages, m micro-batches) equals `measured` (bisection: the
-    bubble grows with t_send); 0 when even instant messages leave more idle than that."""
+    bubble grows with t_send); 0 when instant messages already leave that much idle, `limit` when `limit` leaves
+    less."""
     low, high = 0.0, limit
     for _ in range(40):
         mid = (low + high) / 2
