@@ -417,9 +417,27 @@ def _bare(x):
     raise NotImplementedError
 
 
+def _given_lines_then_raise(x, group=None):
+    """Exercise 4.1's shape: the given lines are assignments, then the raise."""
+    rank, n = x.numel(), 2
+    chunks: list = x.reshape(-1).tensor_split(n)
+    raise NotImplementedError(f"not yet: {rank} {chunks}")
+
+
 def _starts_then_raises(x):
-    y = x + x
-    raise NotImplementedError(f"not yet: {y}")
+    x.add_(1)  # the learner's first line: run it, it may raise something else
+    raise NotImplementedError(f"not yet: {x}")
+
+
+def _loops_then_raises(x):
+    for _ in range(2):
+        x = x + x
+    raise NotImplementedError(f"not yet: {x}")
+
+
+def _generator(x):
+    raise NotImplementedError
+    yield x
 
 
 @functools.lru_cache
@@ -428,12 +446,36 @@ def _decorated(x):
 
 
 def test_unwritten_reads_the_generated_raise_and_nothing_else():
-    assert checks.unwritten(_written_later) and checks.unwritten(_bare)
+    assert checks.unwritten(_written_later) and checks.unwritten(_bare) and checks.unwritten(_given_lines_then_raise)
     namespace = {}
     exec("def f(x):\n    raise NotImplementedError\n", namespace)  # no source to read: run as usual
-    for answer in (_starts_then_raises, _decorated, namespace["f"], lambda x: x, raises(NotImplementedError()),
-                   len, "def f(): raise NotImplementedError"):
+    for answer in (_starts_then_raises, _loops_then_raises, _generator, _decorated, namespace["f"], lambda x: x,
+                   raises(NotImplementedError()), len, "def f(): raise NotImplementedError"):
         assert not checks.unwritten(answer), answer
+
+
+def test_every_generated_exercise_function_reads_as_unwritten(tmp_path, monkeypatch):
+    """Each exercise function of exercises/*.ipynb, as generated, is `unwritten`: its check says "not attempted"
+    at once, without starting ranks (exercise 4.1's and 4.2's given lines once cost 10 s of ranks each)."""
+    import ast
+
+    sources = []
+    for path in sorted((Path(__file__).resolve().parent.parent / "exercises").glob("*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type != "code" or cell.source.lstrip().startswith(("%", "!")):
+                continue
+            sources += [ast.get_source_segment(cell.source, node) for node in ast.parse(cell.source).body
+                        if isinstance(node, ast.FunctionDef) and "NotImplementedError" in ast.dump(node)]
+    assert len(sources) >= 30, len(sources)  # every chapter's: a parse that found none would pass vacuously
+    monkeypatch.syspath_prepend(str(tmp_path))
+    read_as_written = []
+    for i, source in enumerate(sources):  # a module each: names repeat across chapters (forward, __init__)
+        # annotations are not evaluated: a function needs none of its notebook's names to be defined
+        (tmp_path / f"stub_{i}.py").write_text(f"from __future__ import annotations\n\n{source}\n")
+        name = ast.parse(source).body[0].name
+        if not checks.unwritten(getattr(importlib.import_module(f"stub_{i}"), name)):
+            read_as_written.append(name)
+    assert read_as_written == []
 
 
 def test_an_unwritten_multi_rank_answer_is_not_attempted_at_once_without_ranks(capsys, monkeypatch):
@@ -444,15 +486,16 @@ def test_an_unwritten_multi_rank_answer_is_not_attempted_at_once_without_ranks(c
 
     monkeypatch.setattr(checks, "cluster", no_ranks)
     monkeypatch.setattr(checks.dist, "Cluster", no_ranks)
-    started = time.perf_counter()
-    ch04.ring_reduce_scatter(_written_later)
-    assert time.perf_counter() - started < 1.0  # the issue's bound: it reads the source, runs nothing
-    assert capsys.readouterr().out == "⏳ Exercise 4.1 (ring reduce-scatter): not attempted yet\n"
+    for answer in (_written_later, _given_lines_then_raise):
+        started = time.perf_counter()
+        ch04.ring_reduce_scatter(answer)
+        assert time.perf_counter() - started < 1.0  # the issue's bound: it reads the source, runs nothing
+        assert capsys.readouterr().out == "⏳ Exercise 4.1 (ring reduce-scatter): not attempted yet\n"
 
 
 def _unwritten_after_a_line(tensor, group):
-    numel = tensor.numel()
-    raise NotImplementedError(f"Exercise 4.1 on {numel} elements")
+    tensor.add_(0)  # not an assignment: the check cannot tell from the source, so it runs on the ranks
+    raise NotImplementedError(f"Exercise 4.1 on {tensor.numel()} elements")
 
 
 def test_a_not_implemented_error_raised_on_the_ranks_is_not_attempted(capsys):

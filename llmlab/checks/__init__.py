@@ -11,7 +11,8 @@ Three rules make exercise notebooks work:
 
 - *Not attempted is not an error.* A generated exercise still says ``raise NotImplementedError(...)``; the
   check reports "not attempted yet" and returns, so an exercises/ notebook runs top to bottom. It says so at
-  once when that ``raise`` is the function's first statement (:func:`unwritten`), without running anything.
+  once when that ``raise`` comes first, after at most the given lines' assignments (:func:`unwritten`),
+  without running anything.
   The same holds when the ``NotImplementedError`` was raised on another rank and came back as
   ``llmlab.dist.RankError``.
 - *A wrong answer raises* :class:`ExerciseFailed` (an ``AssertionError``) with the same line, so the cell
@@ -174,12 +175,15 @@ def not_attempted(error: BaseException) -> bool:
 
 
 def unwritten(answer) -> bool:
-    """True when `answer` is a function whose first statement (after its docstring) is ``raise
-    NotImplementedError(...)``, as a generated exercise's is: calling it can only say "not attempted", so a check
-    says so at once, without starting the ranks a multi-rank check would run it on. Decided from the function's
-    source (IPython keeps a cell's), and only when its compiled code agrees (it names NotImplementedError); a
-    decorated function, or one whose source cannot be read, is run as usual."""
-    if not inspect.isfunction(answer) or "NotImplementedError" not in answer.__code__.co_names:
+    """True when `answer` is a function whose body (after its docstring) is plain assignments, if any, and then
+    ``raise NotImplementedError(...)``, as a generated exercise's is (4.1 gives `rank, n = ...`, `chunks = ...`,
+    `right, left = ...` before its raise): calling it can only say "not attempted", so a check says so at once,
+    without starting the ranks a multi-rank check would run it on. Any other statement before the raise (a call,
+    a loop, a return) is the learner's work, run as usual. Decided from the function's source (IPython keeps a
+    cell's), and only when its compiled code agrees (it names NotImplementedError); a decorated function, a
+    generator, or one whose source cannot be read, is run as usual."""
+    if not inspect.isfunction(answer) or "NotImplementedError" not in answer.__code__.co_names \
+            or inspect.isgeneratorfunction(answer):
         return False
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(answer)))
@@ -190,7 +194,7 @@ def unwritten(answer) -> bool:
             or node.name != answer.__name__:
         return False
     body = node.body[1:] if ast.get_docstring(node) is not None else node.body
-    first = body[0] if body else None
+    first = next((s for s in body if not isinstance(s, ast.Assign | ast.AnnAssign)), None)
     if not isinstance(first, ast.Raise) or first.exc is None:
         return False
     raised = first.exc.func if isinstance(first.exc, ast.Call) else first.exc
