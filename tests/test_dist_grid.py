@@ -157,3 +157,37 @@ def test_import_llmlab_dist_does_not_load_the_grid():
     code = "import sys, llmlab.dist; print('llmlab.dist.grid' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def _rebuilt_grids():
+    """Grids with the same lines built again and again, as a long-lived rank does (a chapter's cluster runs a cell
+    many times): the threads of this process before and after, whether the groups are the very same objects,
+    and an all-reduce on the last grid's groups."""
+    import os
+
+    import torch
+    import torch.distributed as td
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    first = [Grid(dp=2, ranks=range(2)), Grid(tp=3)]  # (ranks 0, 1) as a subgroup, then every split of 3 ranks
+    before = threads()
+    for _ in range(20):
+        again = [Grid(dp=2, ranks=range(2)), Grid(tp=3), Grid(dp=3)]
+    same = all(a._groups.get(axis) is b._groups.get(axis) for a, b in zip(first, again, strict=False)
+               for axis in AXES)
+    total = torch.ones(1)
+    if again[0].member:
+        td.all_reduce(total, group=again[0].dp_group)
+    return before, threads(), same, total.item()
+
+
+def test_a_grid_built_again_reuses_its_groups_and_threads(clusters):
+    """Each new gloo group starts threads that live as long as the process: a grid per call grew a test session's
+    rank to 430 gloo threads, taking ~20% of a core while idle. The same lines of ranks reuse their groups."""
+    results = clusters(3).run(_rebuilt_grids)
+    for rank, (before, after, same, total) in enumerate(results):
+        assert same, f"rank {rank}: a grid built again made new groups"
+        assert after == before, f"rank {rank}: {after - before} more threads after 20 grids built again"
+        assert total == (2 if rank < 2 else 1)  # the reused subgroup still reaches exactly ranks 0 and 1

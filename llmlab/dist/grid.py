@@ -23,6 +23,12 @@ must be built on every rank with the same arguments. A group that spans the whol
 (`td.group.WORLD`), not a new one. `ranks=` lays the grid over some ranks only (increasing global ranks, e.g. the
 first 2 of a 4-rank cluster): the others still build it (`grid.member` is False there) and have no coordinates
 or groups.
+
+A group is made once per line of ranks and reused by every later grid that has that line (until the default group
+is replaced): gloo gives each group its own threads and sockets, which stay until the process ends, so a
+long-lived rank (a chapter's cluster, the checks' cluster, a test session's) that built a grid per call grew to
+hundreds of groups, their threads taking a fifth of a core while idle. Every rank asks for the same lines in the
+same order, so every rank makes the same groups and skips the same ones.
 """
 
 from __future__ import annotations
@@ -36,6 +42,19 @@ from llmlab import validation
 __all__ = ["Grid"]
 
 AXES = ("dp", "pp", "cp", "tp")  # slowest to fastest
+_MADE: dict = {"world": None, "groups": {}}  # the default group they belong to, and line of ranks -> group
+
+
+def _group_of(line: tuple[int, ...], world: int):
+    """The process group of the global ranks `line`: the default group for the whole world, else the one made for
+    this line before (with this default group), else a new one (collective: see the module docstring)."""
+    if line == tuple(range(world)):
+        return td.group.WORLD
+    if _MADE["world"] is not td.group.WORLD:  # first use, or the default group was destroyed and made anew
+        _MADE.update(world=td.group.WORLD, groups={})
+    if line not in _MADE["groups"]:
+        _MADE["groups"][line] = td.new_group(list(line))
+    return _MADE["groups"][line]
 
 
 class Grid:
@@ -69,7 +88,7 @@ class Grid:
         self._groups, self._members = {}, {}
         for axis in reversed(AXES):  # tp, cp, pp, dp: the same order on every rank
             for line in self._lines(axis):
-                group = td.group.WORLD if line == tuple(range(world)) else td.new_group(list(line))
+                group = _group_of(line, world)
                 if self.rank in line:
                     self._groups[axis], self._members[axis] = group, line
 
