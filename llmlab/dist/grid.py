@@ -27,8 +27,9 @@ or groups.
 A group is made once per line of ranks and reused by every later grid that has that line (until the default group
 is replaced): gloo gives each group its own threads and sockets, which stay until the process ends, so a
 long-lived rank (a chapter's cluster, the checks' cluster, a test session's) that built a grid per call grew to
-hundreds of groups, their threads taking a fifth of a core while idle. Every rank asks for the same lines in the
-same order, so every rank makes the same groups and skips the same ones.
+hundreds of groups, their threads taking about 30% of a core while idle (430 of them: 393 s of CPU in
+21 min). Every rank asks for the same lines in the same order, so every rank makes the same groups and skips the
+same ones.
 """
 
 from __future__ import annotations
