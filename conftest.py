@@ -2,9 +2,10 @@
 
 This file sits at the project root so that `pytest chapters/01_compute.ipynb` loads it too.
 
-Notebooks (chapters/, exercises/, solutions/, and tests/notebooks/) are executed by nbval, one pytest item
-per cell. The terminal summary gets a section "notebook wall times" listing each notebook with its total
-seconds (kernel start, every cell, shutdown) and its budget on a 2-core CPU (README, "Tests"): a chapter 60 s, an
+Notebooks (exercises/, solutions/, tests/notebooks/, and chapters/ when named: `pytest chapters/`) are executed
+by nbval, one pytest item per cell; a plain `pytest` leaves chapters/ to `make site`, which CI runs next. The
+terminal summary gets a section "notebook wall times" listing each notebook with its total seconds (kernel start,
+every cell, shutdown) and its budget on a 2-core CPU (README, "Tests"): a chapter 60 s (llmlab.site.BUDGET_S), an
 exercise or solution notebook 40 s. An over-budget notebook is marked OVER BUDGET but does not fail the
 run: wall time on a shared machine varies from run to run, and speed stays out of pass/fail
 (`llmlab bench` measures speed). The section is there so a slow notebook is seen.

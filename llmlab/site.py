@@ -7,9 +7,11 @@ folder as working directory, one timeout for the whole chapter, errors recorded 
 nbconvert's HTML exporter (the JupyterLab look) writes the page. Widgets show the static result they carry (a
 text line and a PNG of the plot) since a page has no kernel behind its sliders.
 
-Each chapter's line in the index gives its time and the machine's load while it ran (`timing.Load`: the 1-minute
-load average, the busier of the readings before and after the chapter, and the cores), so a reader can tell a
-figure measured on a quiet machine from one measured beside other work; the chapter's own kernel counts in it.
+The command prints a line per chapter: its page, time, the machine's load and "ok" or what failed, flagged when
+the chapter ran over its budget on a 2-core CPU (`BUDGET_S`; flagged, not failed: a shared machine's wall time
+varies). Each chapter's line in the index gives its time and the machine's load while it ran (`timing.Load`: the
+1-minute load average, the busier of the readings before and after the chapter, and the cores), so a reader can
+tell a figure measured on a quiet machine from one measured beside other work; the chapter's own kernel counts in it.
 
 Progress bars are off in a page: a page cannot hold a live bar, and a tqdm bar in a notebook is a widget whose
 saved text is its first frame ("0%|          | 0/3"). The kernel runs with TQDM_DISABLE=1, which turns off the
@@ -41,12 +43,13 @@ from llmlab import files, runtime, timing
 from llmlab.exercises.grade import cell_errors, execute
 from llmlab.exercises.notebooks import read_notebook, title
 
-__all__ = ["KERNEL_ENV", "Page", "build_page", "build", "write_index", "frozen_bars"]
+__all__ = ["KERNEL_ENV", "BUDGET_S", "Page", "build_page", "build", "write_index", "frozen_bars"]
 
 # tqdm's bar: "desc:  40%|████      | 2/5 [00:01<00:01,  1.9it/s]" (percentage, bar, count/total)
 _BAR = re.compile(r"(\d{1,3})%\|[^|\n]*\|\s*(\d+)/(\d+)\b")
 _WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 KERNEL_ENV = {"TQDM_DISABLE": "1"}  # added to a chapter's kernel environment: tqdm.std's bars off
+BUDGET_S = 60.0  # a chapter's wall-time budget on a 2-core CPU (README, "Tests"; conftest.py's for pytest)
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,9 @@ def build(notebooks: list[str | os.PathLike], out: str | os.PathLike = "site", t
     pages = []
     for notebook in notebooks:
         page = build_page(notebook, out, timeout)
-        log(f"{page.html}  {page.seconds:5.1f} s  {page.load}  {'FAILED ' + page.problem if page.problem else 'ok'}")
+        over = f", over the {BUDGET_S:g} s budget" if page.seconds > BUDGET_S else ""
+        log(f"{page.html}  {page.seconds:5.1f} s  {page.load}  {'FAILED ' + page.problem if page.problem else 'ok'}"
+            f"{over}")
         pages.append(page)
     write_index(pages, out, runtime.describe())
     return pages

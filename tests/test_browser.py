@@ -133,9 +133,9 @@ CASES = [
     case(Case("chapters/05_hardware.ipynb", controls=(r"^MFU",), result=r"\bdays\b"),
          missing_reason="chapter not written yet"),
     # Chapter 6's warmup schedule explorer (selection sliders), as the chapter calls it, in a notebook of its own: the
-    # chapter's Run All retrains its 36-run sweep (33 s of this suite's page) and nbval runs the chapter already. The
-    # peak LR and the run's length change the schedule (one press moves the warmup from 20 to 200 updates, past
-    # these 60: refused, so it is not driven here).
+    # chapter's Run All retrains its 36-run sweep (33 s of this suite's page) and `make site` runs the chapter
+    # already. The peak LR and the run's length change the schedule (one press moves the warmup from 20 to 200
+    # updates, past these 60: refused, so it is not driven here).
     case(Case("tests/browser/schedule_fixture.ipynb", controls=(r"^peak LR$", r"^total steps$"),
               result=r"update 0 at LR"), missing_reason="fixture"),
 ]

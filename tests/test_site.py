@@ -18,7 +18,7 @@ def notebook(path, *cells):
     return path
 
 
-def test_pages_carry_outputs_and_failures_are_named(tmp_path, capsys):
+def test_pages_carry_outputs_and_failures_are_named(tmp_path, capsys, monkeypatch):
     good = notebook(tmp_path / "01_good.ipynb", "md:# Chapter A (甲)", "x = 6 * 7\nprint('answer', x)",
                     "import pathlib\nprint(pathlib.Path.cwd().name)",
                     "import os\nfrom tqdm.auto import tqdm\nfrom tqdm.std import tqdm as text_bar\n"
@@ -30,8 +30,10 @@ def test_pages_carry_outputs_and_failures_are_named(tmp_path, capsys):
     (out).mkdir()
     (out / "01_good.html").write_text("an older page")
     lines = []
+    monkeypatch.setattr(site, "BUDGET_S", 0.5)  # below any chapter's time (a kernel takes seconds to start)
     pages = site.build([good, bad], out, timeout=120, log=lines.append)
     assert [p.html.name for p in pages] == ["01_good.html", "02_bad.html"] and len(lines) == 2
+    assert lines[0].endswith(" ok, over the 0.5 s budget") and "FAILED cell 3: ZeroDivisionError" in lines[1]
     page = (out / "01_good.html").read_text()
     assert "answer 42" in page and tmp_path.name in page  # executed, in the notebook's own folder
     assert pages[0].title == "Chapter A (甲)" and pages[0].problem == "" and "an older page" not in page
