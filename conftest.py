@@ -5,10 +5,10 @@ This file sits at the project root so that `pytest chapters/01_compute.ipynb` lo
 Notebooks (exercises/, solutions/, tests/notebooks/, and chapters/ when named: `pytest chapters/`) are executed
 by nbval, one pytest item per cell; a plain `pytest` leaves chapters/ to `make site`, which CI runs next. The
 terminal summary gets a section "notebook wall times" listing each notebook with its total seconds (kernel start,
-every cell, shutdown) and its budget on a 2-core CPU (README, "Tests"): a chapter 60 s (llmlab.site.BUDGET_S), an
-exercise or solution notebook 40 s. An over-budget notebook is marked OVER BUDGET but does not fail the
-run: wall time on a shared machine varies from run to run, and speed stays out of pass/fail
-(`llmlab bench` measures speed). The section is there so a slow notebook is seen.
+every cell, shutdown) and its budget on a 2-core CPU (README, "Tests"): a chapter 60 s (as llmlab.site.BUDGET_S),
+an exercise or solution notebook 40 s. An over-budget notebook is marked OVER BUDGET but does not fail the run:
+wall time on a shared machine varies from run to run, and speed stays out of pass/fail (`llmlab bench` measures
+speed). The section is there so a slow notebook is seen.
 
 Notebooks run in the kernel of this very Python (nbval's --nbval-current-env), so they import the llmlab
 installed here, whatever Jupyter kernels a user has registered elsewhere.
@@ -25,6 +25,7 @@ import pytest
 # triton (tests/test_flops.py's FlopCounterMode does); see runtime.configure_triton
 import llmlab  # noqa: F401
 
+# chapters: a copy of llmlab.site.BUDGET_S, not imported from it (importing site loads nbconvert at every start)
 BUDGETS_S = {"chapters": 60.0, "exercises": 40.0, "solutions": 40.0}
 DEFAULT_BUDGET_S = 60.0  # any other notebook (tests/notebooks/) is held to a chapter's budget
 
